@@ -1,0 +1,187 @@
+"""The codec seam (as in GRACE): a codec turns a tensor into a Payload and back.
+
+A Payload is self-describing: its header carries every parameter the receiver needs (ratio, scale,
+seed, ...), so a parameter server decodes it without knowing the sender's spec string.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+class CodecError(ValueError):
+    """A payload or spec is malformed (truncated body, unknown codec, bad parameter)."""
+
+
+@dataclass
+class Payload:
+    codec: str                      # registry name, e.g. "topk"
+    shape: tuple[int, ...]          # shape of the original tensor
+    dtype: str                      # dtype of the original tensor, e.g. "float32"
+    data: bytes | memoryview        # the body that travels
+    header: dict = field(default_factory=dict)  # small, msgpack-able
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+class Codec:
+    """Base class. Subclasses set `name` and implement compress/decompress."""
+
+    name = "base"
+    lossy = True
+    default_error_feedback = False
+    stateful = False    # keeps per-key state on the sender (compress(..., key=...)); see DGC
+
+    def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        """Dense CPU tensor of payload.shape / payload.dtype."""
+        raise NotImplementedError
+
+    def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int | None:
+        """Body size compress() would produce (None: unknown until compressed)."""
+        return None
+
+    def accumulate(self, payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:
+        """out.view(-1) += alpha * decompress(payload). Sparse codecs override with a scatter-add."""
+        out.view(-1).add_(self.decompress(payload).view(-1).to(out.dtype), alpha=alpha)
+
+    def spec(self) -> str:
+        return self.name
+
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in TORCH_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise CodecError(f"unsupported dtype {dtype}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise CodecError(f"unsupported dtype {name!r}") from None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Raw little-endian bytes of a tensor (contiguous CPU copy only when needed)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return memoryview(t.view(torch.int16).numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")
+
+
+def tensor_from_bytes(data, dtype: str, shape) -> torch.Tensor:
+    """Zero-copy view of received bytes as a tensor (read-only buffers are copied once)."""
+    dt = torch_dtype(dtype)
+    itemsize = torch.empty((), dtype=dt).element_size()
+    numel = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    if len(data) != numel * itemsize:
+        raise CodecError(f"body has {len(data)} bytes, expected {numel * itemsize} for {dtype}{list(shape)}")
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=dt)
+    buf = bytearray(data) if isinstance(data, bytes) else data
+    return torch.frombuffer(buf, dtype=dt).view(tuple(shape))
+
+
+class NoneCodec(Codec):
+    """Identity: raw bytes of the tensor."""
+
+    name = "none"
+    lossy = False
+
+    def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
+        return Payload(self.name, tuple(tensor.shape), dtype_name(tensor.dtype), tensor_bytes(tensor))
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return tensor_from_bytes(payload.data, payload.dtype, payload.shape)
+
+    def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        return numel * torch.empty((), dtype=dtype).element_size()
+
+
+_REGISTRY: dict[str, Callable[..., Codec]] = {}
+
+
+def register(name: str):
+    def deco(factory):
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+register("none")(NoneCodec)
+
+
+def available_codecs() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """'topk:ratio=0.01,seed=3' -> ('topk', {'ratio': 0.01, 'seed': 3})."""
+    spec = (spec or "none").strip()
+    name, _, rest = spec.partition(":")
+    params: dict = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise CodecError(f"bad codec parameter {item!r} in spec {spec!r} (want key=value)")
+        params[k.strip()] = _parse_value(v.strip())
+    return name.strip().lower(), params
+
+
+def _parse_value(v: str):
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def _load_builtin() -> None:
+    # Codec modules register themselves on import; missing ones are simply not offered.
+    import importlib
+    for mod in ("compression.codecs",):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+def get_codec(spec: str) -> Codec:
+    """Build a codec from a spec string; unknown names or parameters raise CodecError."""
+    _load_builtin()
+    name, params = parse_spec(spec)
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise CodecError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    try:
+        return factory(**params)
+    except TypeError as e:
+        raise CodecError(f"bad parameters for codec {name!r}: {e}") from None

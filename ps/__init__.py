@@ -1,0 +1,1 @@
+"""deltaps parameter server: shards, partitioning, sync modes, server optimizer, CLI."""

@@ -1,0 +1,3 @@
+from ps.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""`deltaps` command line: server, worker, launch, ctl, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ps.config import WORKER_EXCLUDED, add_train_args, config_from_args
+
+
+def _servers(value: str) -> list[str]:
+    addrs = [a.strip() for a in value.split(",") if a.strip()]
+    if not addrs:
+        raise argparse.ArgumentTypeError("need at least one host:port")
+    for a in addrs:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"bad server address {a!r} (want host:port)")
+    return addrs
+
+
+def cmd_server(args) -> int:
+    from ps.server import serve_forever
+    from ps.shard import Shard
+
+    if not 0 <= args.shard_id < args.num_shards:
+        raise SystemExit(f"--shard-id {args.shard_id} must be in [0, {args.num_shards})")
+    shard = Shard(args.shard_id, args.num_shards, wait_timeout_s=args.wait_timeout)
+    serve_forever(shard, args.host, args.port, args.port_file, max_message_bytes=args.max_message_bytes)
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from worker.train import train_ps
+
+    cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
+    result = train_ps(cfg, args.servers, args.rank, args.world_size)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f)
+    print(f"worker {args.rank}: final test accuracy {result['final_test_accuracy']:.4f}", file=sys.stderr)
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from ps.launch import launch, print_summary
+
+    cfg = config_from_args(args)
+    summary = launch(cfg, args.json)
+    print_summary(summary)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("per_worker", "server_stats",
+                                                                    "loss_curve_rank0")}, indent=2))
+    return 0
+
+
+def cmd_ctl(args) -> int:
+    from worker.client import PSError, _call
+    import grpc
+    from protos import pb, rpc
+    from ps.wire import grpc_options
+
+    out = []
+    for addr in args.servers:
+        stub = rpc.ParameterServerStub(grpc.insecure_channel(addr, options=grpc_options()))
+        try:
+            if args.action == "set-codec":
+                rep = _call(stub.SetCodec, pb.SetCodecRequest(codec=args.spec), 10.0)
+                out.append({"server": addr, "codec": rep.codec, "codec_epoch": rep.codec_epoch})
+            else:
+                rep = _call(stub.Stats, pb.StatsRequest(), 10.0)
+                out.append({"server": addr, **{f.name: (list(getattr(rep, f.name)) if f.is_repeated
+                                                        else getattr(rep, f.name)) for f in rep.DESCRIPTOR.fields}})
+        except PSError as e:
+            print(f"{addr}: {e}", file=sys.stderr)
+            return 1
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    if args.what == "codecs":
+        from compression.bench import main as bench_codecs
+        return bench_codecs(rest) or 0
+    raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltaps", description="Sharded parameter server with gradient compression")
+    p.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("server", help="run one parameter-server shard")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=7000, help="port to bind; 0 picks a free one (default 7000)")
+    s.add_argument("--shard-id", type=int, required=True, help="this shard's id, 0-based")
+    s.add_argument("--num-shards", type=int, required=True, help="total number of shards")
+    s.add_argument("--port-file", help="write the bound port to this file once listening")
+    s.add_argument("--wait-timeout", type=float, default=300.0,
+                   help="longest a pull/barrier may block waiting for other workers, seconds")
+    s.add_argument("--max-message-bytes", type=int, default=64 << 20, help="gRPC max message size")
+
+    w = sub.add_parser("worker", help="run one training worker against running shards")
+    w.add_argument("--servers", type=_servers, required=True, help="comma-separated host:port of every shard, in shard order")
+    w.add_argument("--rank", type=int, required=True, help="this worker's rank, 0-based")
+    w.add_argument("--world-size", type=int, required=True, help="number of workers")
+    w.add_argument("--result-json", help="write this worker's measurements here")
+    add_train_args(w, exclude=WORKER_EXCLUDED)
+
+    la = sub.add_parser("launch", help="start a local cluster (shards + workers), train, summarise")
+    la.add_argument("--json", help="write the summary JSON here")
+    add_train_args(la)
+
+    c = sub.add_parser("ctl", help="control a running job")
+    c.add_argument("--servers", type=_servers, required=True, help="comma-separated host:port of every shard")
+    csub = c.add_subparsers(dest="action", required=True)
+    sc = csub.add_parser("set-codec", help="switch the gradient codec of the running job (rollback switch)")
+    sc.add_argument("spec", help="codec spec, e.g. none")
+    csub.add_parser("stats", help="print each shard's counters")
+
+    b = sub.add_parser("bench", help="benchmarks: codecs")
+    b.add_argument("what", choices=["codecs"], help="which benchmark")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.cmd != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.cmd == "server":
+            return cmd_server(args)
+        if args.cmd == "worker":
+            return cmd_worker(args)
+        if args.cmd == "launch":
+            return cmd_launch(args)
+        if args.cmd == "ctl":
+            return cmd_ctl(args)
+        return cmd_bench(args, rest)
+    except ValueError as e:
+        print(f"deltaps: error: {e}", file=sys.stderr)
+        return 2

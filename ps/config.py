@@ -1,0 +1,102 @@
+"""Job configuration: dataclass defaults < YAML file (--config) < command-line flags."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+import yaml
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "ps"                 # ps (parameter servers)
+    sync: str = "bsp"                # bsp | asp | ssp:S
+    servers: int = 2                 # launch: number of PS shards
+    workers: int = 2                 # launch: number of workers (= world size)
+    steps: int = 300
+    batch_size: int = 32             # per worker
+    optimizer: str = "adam"          # sgd | adam (runs on the servers)
+    lr: float = 1e-3
+    momentum: float = 0.9            # sgd only
+    weight_decay: float = 0.0
+    codec: str = "none"              # gradient codec spec, e.g. int8, topk:ratio=0.01
+    chunk_bytes: int = 4 << 20       # tensors are split into keys of at most this size
+    max_message_bytes: int = 64 << 20
+    hidden: int = 256
+    layers: int = 2
+    seed: int = 0
+    timeout_s: float = 120.0         # longest a push/pull/barrier may wait
+    progress: bool = True            # tqdm bar (launch shows rank 0's)
+    log_every: int = 0               # log loss every N steps (0 = never)
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        from ps.sync import parse_sync
+        parse_sync(self.sync)
+        if self.mode not in ("ps",):
+            raise ValueError(f"unknown mode {self.mode!r}; use ps")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
+        for name in ("servers", "workers", "steps", "batch_size", "hidden", "layers", "chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        from compression import get_codec
+        get_codec(self.codec)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_HELP = {
+    "mode": "training mode: ps", "sync": "bsp, asp or ssp:S", "servers": "number of PS shards (launch)",
+    "workers": "number of workers / world size (launch)", "steps": "training steps per worker",
+    "batch_size": "batch size per worker", "optimizer": "server-side optimizer: sgd or adam",
+    "lr": "learning rate", "momentum": "SGD momentum", "weight_decay": "weight decay",
+    "codec": "gradient codec spec (none, fp16, int8, topk:ratio=0.01, ...)",
+    "chunk_bytes": "split tensors into keys of at most this many bytes",
+    "max_message_bytes": "gRPC max send/receive message size", "hidden": "MLP hidden width",
+    "layers": "MLP hidden layers", "seed": "random seed (model init, data order)",
+    "timeout_s": "longest a push/pull/barrier may wait, seconds", "progress": "show a tqdm progress bar",
+    "log_every": "log the loss every N steps (0 = never)",
+}
+
+
+WORKER_EXCLUDED = ("servers", "workers")  # a worker gets addresses and --world-size instead
+
+
+def add_train_args(p: argparse.ArgumentParser, exclude: tuple = ()) -> None:
+    p.add_argument("--config", help="YAML file with any of the keys below (flags override it)")
+    for f in fields(TrainConfig):
+        if f.name == "extra" or f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=_HELP[f.name])
+        else:
+            cast = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            p.add_argument(flag, dest=f.name, type=cast, default=None, help=_HELP[f.name])
+
+
+def load_config(path: str | None, overrides: dict | None = None) -> TrainConfig:
+    cfg = TrainConfig()
+    known = {f.name for f in fields(TrainConfig)}
+    if path:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown config keys: {', '.join(sorted(unknown))}")
+        for k, v in data.items():
+            setattr(cfg, k, v)
+    for k, v in (overrides or {}).items():
+        if v is not None and k in known:
+            setattr(cfg, k, v)
+    cfg.validate()
+    return cfg
+
+
+def config_from_args(args: argparse.Namespace, exclude: tuple = ()) -> TrainConfig:
+    return load_config(getattr(args, "config", None), {k: v for k, v in vars(args).items() if k not in exclude})

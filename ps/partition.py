@@ -1,0 +1,63 @@
+"""Key layout: parameters -> chunk keys -> shards. Deterministic, so every worker computes the same."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Key:
+    key: str        # "<param>#<chunk>"
+    param: str
+    offset: int     # element offset inside the flattened parameter
+    numel: int
+    dtype: str
+    shard: int
+
+
+def itemsize(dtype: str) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
+
+
+def split_param(name: str, numel: int, dtype: str, chunk_bytes: int) -> list[tuple[str, int, int]]:
+    """(key, offset, numel) chunks of at most chunk_bytes each."""
+    per = max(1, chunk_bytes // itemsize(dtype))
+    n_chunks = max(1, -(-numel // per))
+    return [(f"{name}#{i}", i * per, min(per, numel - i * per) if numel else 0) for i in range(n_chunks)]
+
+
+def build_layout(params: list[tuple[str, int, str]], num_shards: int,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Key]:
+    """params: (name, numel, dtype) in model order. Greedy size balancing: largest key first onto the
+    least-loaded shard (ties: lowest shard id). Returns keys in model order."""
+    if num_shards < 1:
+        raise ValueError("num_shards must be >= 1")
+    names = [p[0] for p in params]
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names must be unique")
+    chunks = [(k, name, off, n, dtype)
+              for name, numel, dtype in params
+              for k, off, n in split_param(name, numel, dtype, chunk_bytes)]
+    load = [0] * num_shards
+    shard_of: dict[str, int] = {}
+    order = sorted(range(len(chunks)), key=lambda i: (-chunks[i][3] * itemsize(chunks[i][4]), i))
+    for i in order:
+        s = min(range(num_shards), key=lambda j: (load[j], j))
+        shard_of[chunks[i][0]] = s
+        load[s] += max(1, chunks[i][3] * itemsize(chunks[i][4]))
+    return [Key(k, name, off, n, dtype, shard_of[k]) for k, name, off, n, dtype in chunks]
+
+
+def layout_digest(layout: list[Key], num_shards: int) -> str:
+    blob = json.dumps([num_shards] + [[k.key, k.offset, k.numel, k.dtype, k.shard] for k in layout])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def shard_loads(layout: list[Key], num_shards: int) -> list[int]:
+    load = [0] * num_shards
+    for k in layout:
+        load[k.shard] += k.numel * itemsize(k.dtype)
+    return load

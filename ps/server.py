@@ -1,0 +1,118 @@
+"""gRPC front end of a shard: validates requests, maps ShardError/CodecError to status codes."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+
+from compression.base import CodecError
+from protos import PROTOCOL_VERSION, pb, rpc
+from ps.optimizer import OptimizerConfig
+from ps.partition import Key
+from ps.shard import Shard, ShardError
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_tensor, chunk_nbytes, decode_chunk, grpc_options
+
+log = logging.getLogger("deltaps.server")
+
+
+def _guard(fn):
+    """Turn refusals into gRPC statuses; never let a bad request take the server down."""
+    def wrapper(self, request, context):
+        try:
+            return fn(self, request, context)
+        except ShardError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        except CodecError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad payload: {e}")
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+class ParameterServerServicer(rpc.ParameterServerServicer):
+    def __init__(self, shard: Shard):
+        self.shard = shard
+
+    @_guard
+    def Register(self, req, context):
+        if req.protocol_version != PROTOCOL_VERSION:
+            raise ShardError("FAILED_PRECONDITION",
+                             f"protocol version mismatch: worker speaks {req.protocol_version}, server {PROTOCOL_VERSION}")
+        keys = [Key(k.key, k.param, k.offset, k.numel, k.dtype, k.shard) for k in req.keys]
+        initialized = self.shard.register(req.worker_id, req.world_size, req.num_shards, req.sync,
+                                          OptimizerConfig.from_proto(req.optimizer), keys, req.layout_digest,
+                                          req.codec or "none")
+        log.info("worker %d registered (world %d, sync %s, %d keys)", req.worker_id, req.world_size, req.sync,
+                 len(keys))
+        return pb.RegisterResponse(shard_id=self.shard.shard_id, initialized=initialized,
+                                   codec=self.shard.codec, codec_epoch=self.shard.codec_epoch)
+
+    @_guard
+    def Init(self, req, context):
+        n = self.shard.init([(c.key, decode_chunk(c)) for c in req.values])
+        return pb.InitResponse(initialized=n)
+
+    @_guard
+    def Push(self, req, context):
+        grads = [(c.key, decode_chunk(c)) for c in req.grads]
+        self.shard.counters["bytes_received"] += sum(chunk_nbytes(c) for c in req.grads)
+        dup, versions = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions))
+        return pb.PushResponse(duplicate=dup, versions=versions)
+
+    @_guard
+    def Pull(self, req, context):
+        items, waited = self.shard.pull(list(req.keys), req.min_version, req.timeout_s)
+        values = [chunk_from_tensor(k, v) for k, v, _ in items]
+        self.shard.counters["bytes_sent"] += sum(chunk_nbytes(c) for c in values)
+        return pb.PullResponse(values=values, versions=[v for _, _, v in items], waited_s=waited,
+                               codec=self.shard.codec, codec_epoch=self.shard.codec_epoch)
+
+    @_guard
+    def Barrier(self, req, context):
+        return pb.BarrierResponse(waited_s=self.shard.barrier(req.worker_id, req.name, req.timeout_s))
+
+    @_guard
+    def SetCodec(self, req, context):
+        from compression import get_codec
+        get_codec(req.codec)  # validates the spec (CodecError -> INVALID_ARGUMENT)
+        spec, epoch = self.shard.set_codec(req.codec)
+        log.warning("codec switched to %r (epoch %d)", spec, epoch)
+        return pb.SetCodecResponse(codec=spec, codec_epoch=epoch)
+
+    @_guard
+    def Stats(self, req, context):
+        return pb.StatsResponse(**self.shard.stats())
+
+
+def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = 64):
+    """Start serving; returns (grpc.Server, bound port). Port 0 picks a free port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps"),
+                         options=grpc_options(max_message_bytes))
+    rpc.add_ParameterServerServicer_to_server(ParameterServerServicer(shard), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    server.start()
+    return server, bound
+
+
+def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = None, **kw) -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get a grace period)."""
+    server, bound = start_server(shard, host, port, **kw)
+    log.info("shard %d/%d listening on %s:%d", shard.shard_id, shard.num_shards, host, bound)
+    print(f"deltaps server shard={shard.shard_id} listening on {host}:{bound}", flush=True)
+    if port_file:
+        tmp = port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(bound))
+        import os
+        os.replace(tmp, port_file)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shard %d shutting down", shard.shard_id)
+    server.stop(grace=5).wait()

@@ -1,0 +1,55 @@
+import threading
+
+import pytest
+
+from ps.server import start_server
+from ps.shard import Shard
+
+
+class Cluster:
+    """In-process shards on loopback ports chosen by the OS (port 0)."""
+
+    def __init__(self, num_shards: int, **shard_kw):
+        self.shards = [Shard(i, num_shards, **shard_kw) for i in range(num_shards)]
+        self.servers, self.addrs = [], []
+        for s in self.shards:
+            server, port = start_server(s, "127.0.0.1", 0)
+            self.servers.append(server)
+            self.addrs.append(f"127.0.0.1:{port}")
+
+    def stop(self):
+        for s in self.servers:
+            s.stop(grace=None)
+
+
+@pytest.fixture
+def cluster_factory():
+    made = []
+
+    def make(num_shards: int, **kw) -> Cluster:
+        c = Cluster(num_shards, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+def run_threads(fns, timeout=60):
+    """Run callables in threads, re-raise the first error."""
+    errors, threads = [], []
+    for fn in fns:
+        def wrap(fn=fn):
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        t = threading.Thread(target=wrap, daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "thread hung"
+    if errors:
+        raise errors[0]

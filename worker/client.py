@@ -1,0 +1,247 @@
+"""PSClient: push/pull by parameter name across all shards in parallel (one channel per shard)."""
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import torch
+
+from compression.base import NoneCodec, Payload, dtype_name
+from protos import PROTOCOL_VERSION, pb, rpc
+from ps.optimizer import OptimizerConfig
+from ps.partition import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
+from ps.sync import parse_sync
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, chunk_from_tensor, grpc_options
+
+
+class PSError(RuntimeError):
+    """A server refused a request; carries the gRPC status code."""
+
+    def __init__(self, code, message: str):
+        super().__init__(f"{code.name if code else 'UNKNOWN'}: {message}")
+        self.code = code
+
+
+def _call(fn, request, timeout):
+    try:
+        return fn(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise PSError(e.code(), e.details()) from None
+
+
+class CommStats:
+    """Thread-safe byte and time counters of one client."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.c = defaultdict(float)
+
+    def add(self, **kw) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                self.c[k] += v
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return dict(self.c)
+
+
+class PSClient:
+    def __init__(self, servers: list[str], worker_id: int, world_size: int, *, sync: str = "bsp",
+                 optimizer: OptimizerConfig | None = None, codec: str = "none", compressor=None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 timeout_s: float = 300.0):
+        if not servers:
+            raise ValueError("at least one server address is needed")
+        if chunk_bytes * 2 > max_message_bytes:
+            raise ValueError(f"chunk_bytes {chunk_bytes} too large for max message {max_message_bytes}")
+        self.servers = list(servers)
+        self.worker_id, self.world_size = worker_id, world_size
+        self.sync = parse_sync(sync)
+        self.optimizer = optimizer or OptimizerConfig()
+        self.codec = codec
+        self.codec_epoch = 0
+        self.compressor = compressor
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self.channels = [grpc.insecure_channel(s, options=grpc_options(max_message_bytes)) for s in self.servers]
+        self.stubs = [rpc.ParameterServerStub(ch) for ch in self.channels]
+        self.pool = ThreadPoolExecutor(max_workers=max(8, 4 * len(servers)), thread_name_prefix="ps-client")
+        self.stats = CommStats()
+        self.layout: list[Key] = []
+        self.by_param: dict[str, list[Key]] = {}
+        self.versions: dict[str, int] = {}
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._none = NoneCodec()
+
+    # ---- setup -----------------------------------------------------------------------------
+    def setup(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Register with every shard, let rank 0 initialise the keys, then pull the server's values."""
+        params = [(n, t.numel(), dtype_name(t.dtype)) for n, t in named]
+        self.layout = build_layout(params, len(self.servers), self.chunk_bytes)
+        self.by_param = defaultdict(list)
+        for k in self.layout:
+            self.by_param[k.param].append(k)
+        digest = layout_digest(self.layout, len(self.servers))
+        opt_msg = pb.OptimizerConfig()
+        self.optimizer.to_proto(opt_msg)
+
+        def register(shard):
+            keys = [pb.KeySpec(key=k.key, param=k.param, offset=k.offset, numel=k.numel, dtype=k.dtype, shard=k.shard)
+                    for k in self.layout if k.shard == shard]
+            req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
+                                     world_size=self.world_size, num_shards=len(self.servers), sync=str(self.sync),
+                                     optimizer=opt_msg, keys=keys, layout_digest=digest, codec=self.codec)
+            return self._with_retry(lambda: _call(self.stubs[shard].Register, req, 30.0))
+
+        replies = list(self.pool.map(register, range(len(self.servers))))
+        if replies:
+            self._note_codec(replies[0].codec, replies[0].codec_epoch)
+        if self.worker_id == 0:
+            values = dict(named)
+            for shard, rep in enumerate(replies):
+                if not rep.initialized:
+                    self._init_shard(shard, values)
+        return self.pull(min_version=0)
+
+    def _with_retry(self, fn, attempts: int = 60, delay: float = 0.25):
+        """Retry while a server is not up yet (UNAVAILABLE), e.g. right after launch."""
+        for i in range(attempts):
+            try:
+                return fn()
+            except PSError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or i == attempts - 1:
+                    raise
+                time.sleep(delay)
+
+    def _init_shard(self, shard: int, values: dict[str, torch.Tensor]) -> None:
+        for batch in self._batches([k for k in self.layout if k.shard == shard]):
+            chunks = [chunk_from_tensor(k.key, self._slice(values[k.param], k)) for k in batch]
+            _call(self.stubs[shard].Init, pb.InitRequest(worker_id=self.worker_id, values=chunks), self.timeout_s)
+
+    @staticmethod
+    def _slice(t: torch.Tensor, k: Key) -> torch.Tensor:
+        return t.detach().reshape(-1)[k.offset:k.offset + k.numel]
+
+    def _batches(self, keys: list[Key]):
+        """Group keys into requests of at most chunk_bytes of raw data (a single larger key goes alone)."""
+        batch, size = [], 0
+        for k in keys:
+            nbytes = k.numel * 4
+            if batch and size + nbytes > self.chunk_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append(k)
+            size += nbytes
+        if batch:
+            yield batch
+
+    def _by_shard(self, names) -> dict[int, list[Key]]:
+        groups = defaultdict(list)
+        for n in names:
+            if n not in self.by_param:
+                raise KeyError(f"unknown parameter {n!r}")
+            for k in self.by_param[n]:
+                groups[k.shard].append(k)
+        return groups
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
+
+    def _note_codec(self, codec: str, epoch: int) -> None:
+        if codec and epoch >= self.codec_epoch:
+            self.codec, self.codec_epoch = codec, epoch
+
+    # ---- push ------------------------------------------------------------------------------
+    def _encode(self, k: Key, t: torch.Tensor, step: int) -> Payload:
+        if self.compressor is None:
+            return self._none.compress(t)
+        return self.compressor.compress(k.key, t, step=step, seed=zlib.crc32(f"{k.key}/{step}/{self.worker_id}".encode()))
+
+    def push_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int) -> None:
+        """Blocking push of some keys to one shard (split into messages of about chunk_bytes)."""
+        for batch in self._batches(keys):
+            chunks, raw = [], 0
+            for k in batch:
+                g = self._slice(grads[k.param], k)
+                chunks.append(chunk_from_payload(k.key, self._encode(k, g, step)))
+                raw += g.numel() * g.element_size()
+            req = pb.PushRequest(worker_id=self.worker_id, step=step, seq=self._next_seq(), grads=chunks,
+                                 pulled_versions=[self.versions.get(k.key, 0) for k in batch])
+            t0 = time.perf_counter()
+            _call(self.stubs[shard].Push, req, self.timeout_s)
+            self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_raw=raw,
+                           bytes_pushed_wire=sum(len(c.data) + len(c.header) for c in chunks))
+
+    def push(self, grads: dict[str, torch.Tensor], step: int) -> None:
+        for f in self.push_async(grads, step):
+            f.result()
+
+    def push_async(self, grads: dict[str, torch.Tensor], step: int) -> list[Future]:
+        return [self.pool.submit(self.push_keys, s, ks, grads, step) for s, ks in self._by_shard(grads).items()]
+
+    # ---- pull ------------------------------------------------------------------------------
+    def pull_keys(self, shard: int, keys: list[Key], min_version: int, out: dict[str, torch.Tensor]) -> float:
+        """Blocking pull into out[param] (flat float32 buffers); returns the server-side wait."""
+        waited = 0.0
+        for batch in self._batches(keys):
+            req = pb.PullRequest(worker_id=self.worker_id, keys=[k.key for k in batch], min_version=min_version,
+                                 timeout_s=self.timeout_s)
+            t0 = time.perf_counter()
+            rep = _call(self.stubs[shard].Pull, req, self.timeout_s + 10)
+            self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,
+                           bytes_pulled_wire=sum(len(c.data) for c in rep.values))
+            for k, c, v in zip(batch, rep.values, rep.versions):
+                if c.key != k.key or len(c.data) != k.numel * 4:
+                    raise PSError(None, f"server returned {c.key!r} ({len(c.data)} bytes) for {k.key!r}")
+                dst = out[k.param].view(-1)[k.offset:k.offset + k.numel].numpy()
+                np.copyto(dst, np.frombuffer(c.data, dtype=np.float32))
+                self.versions[k.key] = v
+            waited = max(waited, rep.waited_s)
+            self._note_codec(rep.codec, rep.codec_epoch)
+        return waited
+
+    def pull(self, names=None, min_version: int = 0, out: dict[str, torch.Tensor] | None = None):
+        """Pull parameters (all by default) once every key reaches min_version. Returns name -> tensor."""
+        names = list(self.by_param) if names is None else list(names)
+        if out is None:
+            out = {n: torch.empty(sum(k.numel for k in self.by_param[n]), dtype=torch.float32) for n in names}
+        futs = [self.pool.submit(self.pull_keys, s, ks, min_version, out) for s, ks in self._by_shard(names).items()]
+        for f in futs:
+            f.result()
+        return out
+
+    # ---- misc ------------------------------------------------------------------------------
+    def barrier(self, name: str, timeout_s: float | None = None) -> float:
+        t = timeout_s or self.timeout_s
+        futs = [self.pool.submit(_call, stub.Barrier, pb.BarrierRequest(worker_id=self.worker_id, name=name,
+                                                                         timeout_s=t), t + 10)
+                for stub in self.stubs]
+        return max(f.result().waited_s for f in futs)
+
+    def server_stats(self) -> list[dict]:
+        out = []
+        for stub in self.stubs:
+            msg = _call(stub.Stats, pb.StatsRequest(), 10.0)
+            out.append({f.name: (list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name))
+                        for f in msg.DESCRIPTOR.fields})
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for ch in self.channels:
+            ch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,101 @@
+"""Horovod-style wrapper: gradients go to the parameter servers as soon as backward produces them.
+
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model, servers=[...],
+                               rank=r, world_size=w)
+    ... loss.backward(); opt.step()   # step() waits for pushes, pulls fresh parameters
+
+The wrapped optimizer's hyper-parameters configure the server-side optimizer; it never steps locally.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+
+from ps.optimizer import OptimizerConfig
+from worker.client import PSClient
+
+
+class DistributedOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
+                 named_parameters=None, client: PSClient | None = None, servers=None, rank: int = 0,
+                 world_size: int = 1, sync: str = "bsp", backward_passes_per_step: int = 1, **client_kw):
+        self.optimizer = optimizer
+        named = list(named_parameters if named_parameters is not None else model.named_parameters())
+        self.named = [(n, p) for n, p in named if p.requires_grad]
+        if not self.named:
+            raise ValueError("no trainable parameters to distribute")
+        self.client = client or PSClient(servers, rank, world_size, sync=sync,
+                                         optimizer=OptimizerConfig.from_torch(optimizer), **client_kw)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.clock = 0                      # steps completed
+        self.timing = {"wait_s": 0.0, "blocked_s": 0.0, "steps": 0}
+        self._staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named}
+        self._pending: dict[str, list[Future]] = {}
+        self._passes: dict[str, int] = {}
+        self._load(self.client.setup([(n, p.detach()) for n, p in self.named]))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in self.named]
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def _make_hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            self._passes[name] = self._passes.get(name, 0) + 1
+            if self._passes[name] == self.backward_passes_per_step:
+                self._start(name, param.grad)
+        return hook
+
+    def _start(self, name: str, grad: torch.Tensor) -> None:
+        """Push this parameter's gradient, then pull its next value, in the background."""
+        grad = grad.detach() / self.backward_passes_per_step if self.backward_passes_per_step > 1 else grad.detach()
+        step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
+        keys_by_shard = self.client._by_shard([name])
+        self._pending[name] = [
+            self.client.pool.submit(self._push_pull, shard, keys, {name: grad.clone()}, step, min_v)
+            for shard, keys in keys_by_shard.items()]
+
+    def _push_pull(self, shard, keys, grads, step, min_version) -> float:
+        self.client.push_keys(shard, keys, grads, step)
+        return self.client.pull_keys(shard, keys, min_version, self._staging)
+
+    # ---- torch.optim surface ---------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for name, p in self.named:       # parameters backward did not reach still take part
+            if name not in self._pending:
+                self._start(name, p.grad if p.grad is not None else torch.zeros_like(p))
+        t0 = time.perf_counter()
+        waited = max((f.result() for fs in self._pending.values() for f in fs), default=0.0)
+        blocked = time.perf_counter() - t0
+        self._load(self._staging)
+        self._pending.clear()
+        self._passes.clear()
+        self.clock += 1
+        self.timing["blocked_s"] += blocked
+        self.timing["wait_s"] += min(waited, blocked)
+        self.timing["steps"] += 1
+        return loss
+
+    def _load(self, values: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self.named:
+                p.copy_(values[n].view_as(p))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def synchronize(self) -> None:
+        """Wait for any in-flight push/pull (e.g. before evaluation)."""
+        for fs in self._pending.values():
+            for f in fs:
+                f.result()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.client.close()
