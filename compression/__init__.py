@@ -1,4 +1,8 @@
 """Gradient codecs: compress(tensor) -> Payload, decompress(Payload) -> tensor, plus error feedback."""
 from compression.base import Codec, Payload, CodecError, get_codec, parse_spec, register, available_codecs
+from compression.feedback import ErrorFeedback
+from compression.policy import Compressor
+from compression.server import accumulate_payload, decode_payload
 
-__all__ = ["Codec", "Payload", "CodecError", "get_codec", "parse_spec", "register", "available_codecs"]
+__all__ = ["Codec", "Payload", "CodecError", "get_codec", "parse_spec", "register", "available_codecs",
+           "ErrorFeedback", "Compressor", "decode_payload", "accumulate_payload"]

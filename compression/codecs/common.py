@@ -1,0 +1,105 @@
+"""Helpers shared by the codec modules (CPU paths; CUDA tensors dispatch to compression.cuda)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from compression import buffers, cuda
+from compression.base import CodecError, Payload, dtype_name
+from compression.wire import MAX_NUMEL, value_dtype
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """1-D view/copy of a gradient, on the CPU unless the CuPy back end can take it;
+    rejects non-float or oversized tensors."""
+    if tensor.dtype not in FLOATS:
+        raise CodecError(f"cannot compress a {tensor.dtype} tensor (floating point only)")
+    if tensor.numel() > MAX_NUMEL:
+        raise CodecError(f"tensor of {tensor.numel()} elements exceeds the int32 index range")
+    x = tensor.detach().reshape(-1)
+    if x.device.type != "cpu" and not cuda.wants(x):
+        x = x.cpu()  # no CuPy back end: compress on the CPU (same bytes)
+    return x
+
+
+def flat_float(tensor: torch.Tensor) -> torch.Tensor:
+    """flat() as contiguous float32."""
+    x = flat(tensor)
+    return (x if x.dtype == torch.float32 else x.float()).contiguous()
+
+
+def make_payload(codec: str, tensor: torch.Tensor, body: torch.Tensor, header: dict) -> Payload:
+    from compression.wire import to_wire
+    return Payload(codec, tuple(tensor.shape), dtype_name(tensor.dtype), to_wire(body), header)
+
+
+def chunk_blocks(n: int, chunk: int):
+    """Row blocks of whole chunks: (elem_start, elem_stop, row_start, rows, width); the ragged tail
+    chunk comes last as its own 1-row block."""
+    nfull = n // chunk
+    per = max(1, buffers.BLOCK // chunk)
+    for r0 in range(0, nfull, per):
+        r1 = min(nfull, r0 + per)
+        yield r0 * chunk, r1 * chunk, r0, r1 - r0, chunk
+    if n % chunk:
+        yield nfull * chunk, n, nfull, 1, n - nfull * chunk
+
+
+def nchunks(n: int, chunk: int) -> int:
+    return -(-n // chunk)
+
+
+def decode_target(payload: Payload, n: int, out: torch.Tensor | None):
+    """float32 1-D buffer to decode into, and a finisher giving the tensor to return."""
+    dt = value_dtype(payload)
+    if out is not None and (out.numel() != n or out.device.type != "cpu"):
+        raise CodecError(f"{payload.codec}: out has {out.numel()} elements on {out.device}, need {n} on cpu")
+    if out is not None and out.dtype == torch.float32 and out.is_contiguous():
+        flat = out.view(-1)
+        return flat, lambda: out.view(payload.shape) if dt == torch.float32 else flat.to(dt).view(payload.shape)
+    flat = buffers.empty(n)
+
+    def finish():
+        if out is not None:
+            out.view(-1).copy_(flat)
+            return out
+        return (flat if dt == torch.float32 else flat.to(dt)).view(payload.shape)
+    return flat, finish
+
+
+def absmax(x: torch.Tensor) -> float:
+    if cuda.wants(x):
+        return cuda.absmax(x)
+    return float(x.abs().max()) if x.numel() else 0.0
+
+
+def fixed_sum(x: torch.Tensor, c: float, power: int) -> int:
+    """sum(trunc((|x|*c)**power)) computed exactly, hence identical on every back end."""
+    if cuda.wants(x):
+        return cuda.fixed_sum(x, c, power)
+    total = 0
+    for a, b in buffers.blocks(x.numel()):
+        y = x[a:b].abs().mul_(c)
+        if power == 2:
+            y.mul_(y)
+        total += int(y.trunc_().sum(dtype=torch.float64))  # block sums of ints < 2**53: exact
+    return total
+
+
+def det_abs_mean(x: torch.Tensor) -> float:
+    """mean |x| in a back-end-independent way (fixed point relative to max |x|, 24 bits)."""
+    m = absmax(x)
+    if m == 0.0 or not np.isfinite(m):
+        return 0.0 if m == 0.0 else m
+    c = float(np.float32(2.0 ** 24) / np.float32(m))
+    return fixed_sum(x, c, 1) / x.numel() / c
+
+
+def det_l2norm(x: torch.Tensor) -> float:
+    m = absmax(x)
+    if m == 0.0 or not np.isfinite(m):
+        return m
+    c = float(np.float32(2.0 ** 12) / np.float32(m))
+    return float(np.sqrt(fixed_sum(x, c, 2))) / c

@@ -1,0 +1,48 @@
+"""sign: 1 bit per element (set = negative, little-endian bit order), scaled by mean |g|
+(EF-signSGD, Karimireddy et al. 2019). The mean is computed in fixed point so it is identical on
+every back end."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from compression import cuda
+from compression.base import Codec, CodecError, Payload, register
+from compression.codecs.common import decode_target, det_abs_mean, flat_float, make_payload
+from compression.wire import check_payload, header_float, new_body, read_body
+
+
+@register("sign")
+class SignCodec(Codec):
+    name = "sign"
+    default_error_feedback = True
+
+    def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        return (numel + 7) // 8
+
+    def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
+        x = flat_float(tensor)
+        n = x.numel()
+        scale = float(np.float32(det_abs_mean(x)))
+        body, (bits,) = new_body([(torch.uint8, (n + 7) // 8)])
+        if cuda.wants(x):
+            bits.copy_(cuda.sign_bits(x))
+        else:
+            neg = (x < 0).numpy()
+            bits.numpy()[:] = np.packbits(neg, bitorder="little")
+        return make_payload(self.name, tensor, body, {"scale": scale})
+
+    def _read(self, payload: Payload):
+        n = check_payload(payload)
+        scale = header_float(payload, "scale")
+        if scale < 0:
+            raise CodecError(f"sign: header field 'scale'={scale} is negative")
+        (bits,) = read_body(payload, [(torch.uint8, (n + 7) // 8)])
+        neg = torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little").view(np.bool_))
+        return n, scale, neg
+
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        n, scale, neg = self._read(payload)
+        flat, finish = decode_target(payload, n, out)
+        flat.fill_(scale).masked_fill_(neg, -scale)
+        return finish()

@@ -1,0 +1,162 @@
+"""Sparse codecs: topk (indices + values) and randk (values only; indices regenerated from a seed).
+
+topk body: int32 indices (strictly ascending) then the values in the tensor's dtype; header {k, n}.
+randk body: the values; header {k, n, seed}. dgc reuses the topk layout.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from compression import buffers, cuda, rng
+from compression.base import Codec, CodecError, Payload, register
+from compression.codecs.common import flat, make_payload
+from compression.wire import body_size, check_payload, header_int, new_body, read_body, value_dtype
+
+SAMPLE = 65536
+
+
+def k_for(ratio: float, n: int) -> int:
+    return min(n, max(1, math.ceil(ratio * n)))
+
+
+def check_ratio(name: str, ratio) -> float:
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+        raise CodecError(f"{name}: ratio must be in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def topk_indices(x: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
+    """Indices of exactly the k largest |x| (ties: lower index first), ascending int64.
+
+    Threshold from the top of a random sample (a bit below the expected k-th value), candidates
+    = |x| >= threshold block by block, then exact selection among the candidates. The result does
+    not depend on the sample, so every back end returns the same indices."""
+    if cuda.wants(x):
+        return cuda.topk_select(x, k, seed)
+    n = x.numel()
+    if k >= n:
+        return torch.arange(n)
+    cand = None
+    if n > 4 * SAMPLE:
+        g = torch.Generator().manual_seed(seed)
+        sample = x[torch.randint(n, (SAMPLE,), generator=g)].abs_()
+        ks = min(SAMPLE, int(SAMPLE * k / n * 1.25 + 3 * (SAMPLE * k / n) ** 0.5) + 2)
+        tmp = torch.empty(min(n, buffers.BLOCK))
+        while ks < SAMPLE:
+            t = float(torch.topk(sample, ks, sorted=False).values.min())
+            parts = [torch.nonzero(torch.abs(x[a:b], out=tmp[:b - a]) >= t).view(-1).add_(a)
+                     for a, b in buffers.blocks(n)]
+            cand = torch.cat(parts)
+            if cand.numel() >= k:
+                break
+            cand, ks = None, ks * 4
+    if cand is None:
+        cand = torch.arange(n)
+    ca = x[cand].abs_()
+    m = ca.numel()
+    vk = torch.kthvalue(ca, m - k + 1).values  # k-th largest
+    gt = ca > vk
+    eq = ca == vk
+    keep = gt | (eq & (torch.cumsum(eq, 0) <= k - int(gt.sum())))
+    return cand[keep]
+
+
+class SparseCodec(Codec):
+    """Decode/accumulate for index+value bodies; subclasses define compress."""
+
+    default_error_feedback = True
+    carries_indices = True
+
+    def _sections(self, k: int, dtype: torch.dtype):
+        return ([(torch.int32, k)] if self.carries_indices else []) + [(dtype, k)]
+
+    def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        return body_size(self._sections(k_for(self.ratio, numel), dtype))
+
+    def _encode(self, tensor: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, header: dict) -> Payload:
+        k = idx.numel()
+        body, views = new_body(self._sections(k, tensor.dtype))
+        if self.carries_indices:
+            views[0].copy_(idx)
+        views[-1].copy_(src[idx])
+        return make_payload(self.name, tensor, body, {"k": k, "n": src.numel(), **header})
+
+    def indices(self, payload: Payload, n: int, k: int, body: list) -> torch.Tensor:
+        idx = body[0]
+        if k and (int(idx[0]) < 0 or int(idx[-1]) >= n or not bool((idx[1:] > idx[:-1]).all())):
+            raise CodecError(f"{payload.codec}: indices out of range [0, {n}) or not strictly ascending")
+        return idx
+
+    def _read(self, payload: Payload):
+        n = check_payload(payload)
+        if header_int(payload, "n", 0) != n:
+            raise CodecError(f"{payload.codec}: header n={payload.header['n']} does not match shape {payload.shape}")
+        k = header_int(payload, "k", 0, n)
+        body = read_body(payload, self._sections(k, value_dtype(payload)))
+        return n, self.indices(payload, n, k, body), body[-1]
+
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        n, idx, vals = self._read(payload)
+        dt = value_dtype(payload)
+        if out is None:
+            flat = buffers.zeros(n, dt)
+        elif out.numel() != n:
+            raise CodecError(f"{payload.codec}: out has {out.numel()} elements, need {n}")
+        else:
+            flat = out.view(-1).zero_()
+        flat.index_copy_(0, idx.long(), vals.to(flat.dtype))
+        return flat.view(payload.shape) if out is None else out
+
+    def accumulate(self, payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:
+        n, idx, vals = self._read(payload)
+        dst = out.view(-1)
+        if dst.numel() != n:
+            raise CodecError(f"{payload.codec}: accumulate into {dst.numel()} elements, payload has {n}")
+        dst.index_add_(0, idx if dst.device.type == "cpu" else idx.to(dst.device),
+                       vals.to(dst.device, dst.dtype), alpha=alpha)
+
+
+@register("topk")
+class TopKCodec(SparseCodec):
+    """Exactly k = max(1, ceil(ratio*n)) largest |g|."""
+
+    name = "topk"
+
+    def __init__(self, ratio: float = 0.01):
+        self.ratio = check_ratio("topk", ratio)
+
+    def spec(self) -> str:
+        return f"topk:ratio={self.ratio}"
+
+    def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
+        x = flat(tensor)
+        idx = topk_indices(x if x.dtype == torch.float32 else x.float(), k_for(self.ratio, x.numel()), seed)
+        return self._encode(tensor, idx, x, {})
+
+
+@register("randk")
+class RandKCodec(SparseCodec):
+    """k uniformly random distinct indices, regenerated by the receiver from header["seed"]."""
+
+    name = "randk"
+    carries_indices = False
+
+    def __init__(self, ratio: float = 0.01):
+        self.ratio = check_ratio("randk", ratio)
+
+    def spec(self) -> str:
+        return f"randk:ratio={self.ratio}"
+
+    def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
+        x = flat(tensor)
+        n = x.numel()
+        seed = int(seed) & ((1 << 63) - 1)
+        k = k_for(self.ratio, n)
+        idx = cuda.random_subset(n, k, seed, x.device) if cuda.wants(x) else rng.random_subset(n, k, seed)
+        return self._encode(tensor, idx, x, {"seed": seed})
+
+    def indices(self, payload: Payload, n: int, k: int, body: list) -> torch.Tensor:
+        seed = header_int(payload, "seed", 0)
+        return rng.random_subset(n, k, seed) if n else torch.empty(0, dtype=torch.int64)

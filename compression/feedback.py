@@ -1,0 +1,69 @@
+"""Error feedback around any lossy codec, with residual memory per key:
+    g' = g + residual;  p = C(g');  residual = g' - D(p)
+Residuals are kept in float32 (float64 for float64 gradients) on the gradient's device.
+Codecs with their own accumulation (DGC: internal_error_feedback) are called straight through.
+"""
+from __future__ import annotations
+
+import torch
+
+from compression.base import Codec, Payload
+from compression.codecs.sparse import SparseCodec
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class ErrorFeedback:
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self._residual: dict[str, torch.Tensor] = {}
+
+    def fold(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """g + residual(key) as a flat accumulator tensor (the residual is consumed)."""
+        r = self._residual.pop(key, None)
+        g = tensor.detach().reshape(-1)
+        if r is not None and r.shape == g.shape:
+            return r.add_(g.to(r.device))
+        return g.to(_acc_dtype(g.dtype), copy=True)
+
+    def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
+        key = "" if key is None else key
+        if getattr(self.codec, "internal_error_feedback", False):
+            if key in self._residual:  # e.g. left over from a codec used before set_spec
+                tensor = self.fold(key, tensor).view(tensor.shape).to(tensor.dtype)
+            return self.codec.compress(tensor, seed=seed, key=key)
+        g = self.fold(key, tensor)
+        src = g.view(tensor.shape)
+        payload = self.codec.compress(src if src.dtype == tensor.dtype else src.to(tensor.dtype), seed=seed, key=key)
+        if g.device.type == "cpu" or isinstance(self.codec, SparseCodec):
+            self.codec.accumulate(payload, g, alpha=-1.0)          # residual = g' - D(p), in place
+        else:
+            g.sub_(self.codec.decompress(payload).view(-1).to(g.device, g.dtype))
+        self._residual[key] = g
+        return payload
+
+    def residual(self, key: str) -> torch.Tensor | None:
+        r = self._residual.get(key)
+        if r is None and getattr(self.codec, "internal_error_feedback", False):
+            return self.codec.residual(key)
+        return r
+
+    def pop_residual(self, key: str) -> torch.Tensor | None:
+        return self._residual.pop(key, None)
+
+    def add_residual(self, key: str, tensor: torch.Tensor) -> None:
+        """Merge an external residual (e.g. DGC's unsent accumulation) into this key's memory."""
+        t = tensor.detach().reshape(-1)
+        r = self._residual.get(key)
+        if r is not None and r.shape == t.shape:
+            r.add_(t.to(r.device, r.dtype))
+        else:
+            self._residual[key] = t.to(_acc_dtype(t.dtype), copy=True)
+
+    def keys(self) -> list[str]:
+        return list(self._residual)
+
+    def reset(self) -> None:
+        self._residual.clear()

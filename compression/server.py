@@ -1,0 +1,53 @@
+"""Receiver side: decode or accumulate a payload knowing only payload.codec and payload.header."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from compression.base import _REGISTRY, _load_builtin, Codec, CodecError, Payload
+from compression.wire import check_payload
+
+_CORRUPT = (RuntimeError, ValueError, TypeError, IndexError, KeyError, OverflowError)
+
+
+@functools.cache
+def decoder(name: str) -> Codec:
+    """A default-constructed codec used only for decoding (decoders read parameters from headers)."""
+    _load_builtin()
+    factory = _REGISTRY.get(name) if isinstance(name, str) else None
+    if factory is None:
+        raise CodecError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return factory()
+
+
+def _checked(payload: Payload) -> Codec:
+    if not isinstance(payload, Payload):
+        raise CodecError(f"expected a Payload, got {type(payload).__name__}")
+    codec = decoder(payload.codec)
+    check_payload(payload)
+    return codec
+
+
+def decode_payload(payload: Payload) -> torch.Tensor:
+    """Dense CPU tensor (payload.shape, payload.dtype); CodecError on any malformed payload."""
+    codec = _checked(payload)
+    try:
+        return codec.decompress(payload)
+    except CodecError:
+        raise
+    except _CORRUPT as e:
+        raise CodecError(f"corrupt {payload.codec} payload: {e}") from None
+
+
+def accumulate_payload(payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:
+    """out += alpha * decoded payload (sparse codecs scatter-add; nothing is densified)."""
+    codec = _checked(payload)
+    if out.numel() != payload.numel:
+        raise CodecError(f"{payload.codec}: payload has {payload.numel} elements, out has {out.numel()}")
+    try:
+        codec.accumulate(payload, out, alpha)
+    except CodecError:
+        raise
+    except _CORRUPT as e:
+        raise CodecError(f"corrupt {payload.codec} payload: {e}") from None

@@ -1,0 +1,14 @@
+import torch
+
+from ps.optimizer import OptimizerConfig
+from worker.client import PSClient
+
+
+def client(addrs, rank=0, world=1, sync="bsp", opt=None, **kw) -> PSClient:
+    return PSClient(addrs, rank, world, sync=sync, optimizer=opt or OptimizerConfig("sgd", lr=0.1),
+                    timeout_s=kw.pop("timeout_s", 20.0), **kw)
+
+
+def named(seed=0, sizes=(("w", (40, 30)), ("b", (30,)))):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(*s, generator=g)) for n, s in sizes]
