@@ -2,7 +2,7 @@
 from compression.base import Codec, Payload, CodecError, get_codec, parse_spec, register, available_codecs
 from compression.feedback import ErrorFeedback
 from compression.policy import Compressor
-from compression.server import accumulate_payload, decode_payload
+from compression.server import Decoded, accumulate_payload, decode_payload, unpack_payload
 
-__all__ = ["Codec", "Payload", "CodecError", "get_codec", "parse_spec", "register", "available_codecs",
+__all__ = ["Decoded", "unpack_payload", "Codec", "Payload", "CodecError", "get_codec", "parse_spec", "register", "available_codecs",
            "ErrorFeedback", "Compressor", "decode_payload", "accumulate_payload"]

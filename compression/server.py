@@ -51,3 +51,44 @@ def accumulate_payload(payload: Payload, out: torch.Tensor, alpha: float = 1.0) 
         raise
     except _CORRUPT as e:
         raise CodecError(f"corrupt {payload.codec} payload: {e}") from None
+
+
+class Decoded:
+    """A received gradient, dense or sparse (indices + values), validated but not densified."""
+
+    __slots__ = ("numel", "dense", "indices", "values")
+
+    def __init__(self, numel: int, dense=None, indices=None, values=None):
+        self.numel, self.dense, self.indices, self.values = numel, dense, indices, values
+
+    @property
+    def sparse(self) -> bool:
+        return self.dense is None
+
+    def all_finite(self) -> bool:
+        return bool(torch.isfinite(self.values if self.sparse else self.dense).all())
+
+    def add_to(self, out: torch.Tensor, alpha: float = 1.0) -> None:
+        """out += alpha * gradient; a scatter-add of k values for sparse payloads."""
+        flat = out.view(-1)
+        if self.sparse:
+            flat.index_add_(0, self.indices, self.values.to(flat.dtype), alpha=alpha)
+        else:
+            flat.add_(self.dense.reshape(-1).to(flat.dtype), alpha=alpha)
+
+
+def unpack_payload(payload: Payload) -> Decoded:
+    """Validate a payload; sparse codecs keep (indices, values), others decode densely."""
+    from compression.codecs.sparse import SparseCodec
+
+    codec = _checked(payload)
+    try:
+        if isinstance(codec, SparseCodec):
+            n, idx, vals = codec._read(payload)
+            return Decoded(n, indices=idx, values=vals)
+        dense = codec.decompress(payload)
+        return Decoded(dense.numel(), dense=dense)
+    except CodecError:
+        raise
+    except _CORRUPT as e:
+        raise CodecError(f"corrupt {payload.codec} payload: {e}") from None

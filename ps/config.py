@@ -23,6 +23,11 @@ class TrainConfig:
     codec: str = "none"              # gradient codec spec, e.g. int8, topk:ratio=0.01
     chunk_bytes: int = 4 << 20       # tensors are split into keys of at most this size
     max_message_bytes: int = 64 << 20
+    min_compress_bytes: int = 1024   # smaller tensors go uncompressed (256 float32)
+    compress_warmup_steps: int = 0   # send uncompressed for the first N steps
+    fallback_factor: float = 3.0     # auto-rollback to codec none if smoothed loss > factor x its minimum (0 = off)
+    fallback_warmup_steps: int = 50  # loss-rise check starts after this many steps (NaN/Inf always checked)
+    fallback_loss_floor: float = 0.05  # minimum below this counts as this (noise near zero loss)
     hidden: int = 256
     layers: int = 2
     seed: int = 0
@@ -56,6 +61,11 @@ _HELP = {
     "codec": "gradient codec spec (none, fp16, int8, topk:ratio=0.01, ...)",
     "chunk_bytes": "split tensors into keys of at most this many bytes",
     "max_message_bytes": "gRPC max send/receive message size", "hidden": "MLP hidden width",
+    "min_compress_bytes": "tensors smaller than this go uncompressed",
+    "compress_warmup_steps": "send uncompressed for the first N steps",
+    "fallback_factor": "roll back to codec none when smoothed loss exceeds this factor of its minimum (0 = off)",
+    "fallback_warmup_steps": "steps before the loss-rise fallback check starts",
+    "fallback_loss_floor": "loss minimum used by the fallback check is at least this",
     "layers": "MLP hidden layers", "seed": "random seed (model init, data order)",
     "timeout_s": "longest a push/pull/barrier may wait, seconds", "progress": "show a tqdm progress bar",
     "log_every": "log the loss every N steps (0 = never)",

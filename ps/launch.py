@@ -119,8 +119,12 @@ def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> di
         "bytes_pushed_wire": wire, "bytes_pushed_raw": raw, "bytes_pulled_wire": total("bytes_pulled_wire"),
         "compression_ratio": raw / wire if wire else 1.0,
         "bytes_pushed_wire_per_step": wire / max(1, cfg.steps),
+        "final_codec": r0["final_codec"], "codec_switches": r0["codec_switches"],
+        "codec_fallbacks": sum(len(r["codec_fallbacks"]) for r in results),
         "server_stats": r0.get("server_stats", []),
-        "per_worker": [{k: v for k, v in r.items() if k not in ("losses", "server_stats")} for r in results],
+        "per_worker": [{k: v for k, v in r.items() if k not in ("losses", "server_stats", "bytes_pushed_wire_steps")}
+                       for r in results],
+        "bytes_pushed_wire_steps_rank0": r0["bytes_pushed_wire_steps"],
         "loss_curve_rank0": r0["losses"][:: max(1, len(r0["losses"]) // 100)],
     }
 

@@ -13,7 +13,7 @@ from protos import PROTOCOL_VERSION, pb, rpc
 from ps.optimizer import OptimizerConfig
 from ps.partition import Key
 from ps.shard import Shard, ShardError
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_tensor, chunk_nbytes, decode_chunk, grpc_options
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_tensor, chunk_nbytes, decode_chunk, grpc_options, unpack_chunk
 
 log = logging.getLogger("deltaps.server")
 
@@ -56,7 +56,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Push(self, req, context):
-        grads = [(c.key, decode_chunk(c)) for c in req.grads]
+        grads = [(c.key, unpack_chunk(c)) for c in req.grads]
         self.shard.counters["bytes_received"] += sum(chunk_nbytes(c) for c in req.grads)
         dup, versions = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions))
         return pb.PushResponse(duplicate=dup, versions=versions)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from compression.server import Decoded
 from ps.optimizer import KeyOptimizer, OptimizerConfig
 from ps.partition import Key
 from ps.sync import SyncMode, parse_sync
@@ -135,7 +136,7 @@ class Shard:
         return t
 
     # ---- push ------------------------------------------------------------------------------
-    def push(self, worker: int, step: int, grads: list[tuple[str, torch.Tensor]],
+    def push(self, worker: int, step: int, grads: list[tuple[str, "Decoded | torch.Tensor"]],
              pulled_versions: list[int]) -> tuple[list[bool], list[int]]:
         job = self._require_job()
         if worker not in self.live:
@@ -145,16 +146,20 @@ class Shard:
         checked = []
         for i, (key, g) in enumerate(grads):
             ks = self.key_state(key)
-            self._check_numel(key, g)
+            if isinstance(g, torch.Tensor):
+                g = Decoded(g.numel(), dense=g)
+            if g.numel != ks.spec.numel:
+                raise ShardError("INVALID_ARGUMENT",
+                                 f"key {key!r}: gradient has {g.numel} elements, layout says {ks.spec.numel}")
             if not ks.initialized:
                 raise ShardError("FAILED_PRECONDITION", f"key {key!r} has no value yet; rank 0 must Init first")
-            if not torch.isfinite(g).all():
+            if not g.all_finite():
                 raise ShardError("INVALID_ARGUMENT", f"gradient for key {key!r} contains NaN or Inf")
             expected = ks.pushed.get(worker, 0)
             if step > expected:
                 raise ShardError("FAILED_PRECONDITION",
                                  f"worker {worker} pushed step {step} for key {key!r} but its next step is {expected}")
-            checked.append((ks, g.view(-1), pulled_versions[i] if pulled_versions else step))
+            checked.append((ks, g, pulled_versions[i] if pulled_versions else step))
         dup, versions = [], []
         for ks, g, pulled in checked:
             d, v = self._apply(job, ks, worker, step, g, pulled)
@@ -163,7 +168,7 @@ class Shard:
         self.counters["pushes"] += 1
         return dup, versions
 
-    def _apply(self, job: Job, ks: KeyState, worker: int, step: int, g: torch.Tensor, pulled: int):
+    def _apply(self, job: Job, ks: KeyState, worker: int, step: int, g: Decoded, pulled: int):
         with ks.cond:
             if step < ks.pushed.get(worker, 0):
                 self.counters["duplicates"] += 1
@@ -173,11 +178,13 @@ class Shard:
             if job.sync.kind == "bsp":
                 if ks.agg is None:
                     ks.agg = torch.zeros_like(ks.value)
-                ks.agg.add_(g)
+                g.add_to(ks.agg)
                 ks.agg_from.add(worker)
                 self._maybe_complete_step(ks)
             else:
-                ks.opt.apply(g.to(torch.float32) * (1.0 / len(self.live)))
+                dense = torch.zeros_like(ks.value)
+                g.add_to(dense, 1.0 / len(self.live))
+                ks.opt.apply(dense)
                 self.counters["grads_applied"] += 1
                 ks.version = min(ks.pushed.get(w, 0) for w in self.live)
                 ks.cond.notify_all()

@@ -37,19 +37,20 @@ def payload_from_chunk(c: pb.TensorChunk) -> Payload:
     return Payload(c.codec or "none", tuple(c.shape), c.dtype or "float32", c.data, header)
 
 
-def _decode_payload(p: Payload) -> torch.Tensor:
-    try:
-        from compression import decode_payload
-    except ImportError:  # codec library without server helpers: decode by registry name
-        from compression import get_codec
-        return get_codec(p.codec).decompress(p)
-    return decode_payload(p)
-
-
 def decode_chunk(c: pb.TensorChunk) -> torch.Tensor:
     """Dense tensor from a received chunk; CodecError names the key and the problem."""
+    from compression import decode_payload
     try:
-        return _decode_payload(payload_from_chunk(c))
+        return decode_payload(payload_from_chunk(c))
+    except CodecError as e:
+        raise CodecError(f"key {c.key!r}: {e}") from None
+
+
+def unpack_chunk(c: pb.TensorChunk):
+    """Validated gradient (compression.Decoded): sparse payloads stay indices + values."""
+    from compression import unpack_payload
+    try:
+        return unpack_payload(payload_from_chunk(c))
     except CodecError as e:
         raise CodecError(f"key {c.key!r}: {e}") from None
 

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import torch
 
-from compression.base import NoneCodec, Payload, dtype_name
+from compression.base import Payload, dtype_name
 from protos import PROTOCOL_VERSION, pb, rpc
 from ps.optimizer import OptimizerConfig
 from ps.partition import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
@@ -66,7 +66,8 @@ class PSClient:
         self.optimizer = optimizer or OptimizerConfig()
         self.codec = codec
         self.codec_epoch = 0
-        self.compressor = compressor
+        from compression import Compressor
+        self.compressor = compressor or Compressor(codec)
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.channels = [grpc.insecure_channel(s, options=grpc_options(max_message_bytes)) for s in self.servers]
@@ -78,7 +79,6 @@ class PSClient:
         self.versions: dict[str, int] = {}
         self._seq = 0
         self._seq_lock = threading.Lock()
-        self._none = NoneCodec()
 
     # ---- setup -----------------------------------------------------------------------------
     def setup(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -162,8 +162,6 @@ class PSClient:
 
     # ---- push ------------------------------------------------------------------------------
     def _encode(self, k: Key, t: torch.Tensor, step: int) -> Payload:
-        if self.compressor is None:
-            return self._none.compress(t)
         return self.compressor.compress(k.key, t, step=step, seed=zlib.crc32(f"{k.key}/{step}/{self.worker_id}".encode()))
 
     def push_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int) -> None:
@@ -218,6 +216,20 @@ class PSClient:
         for f in futs:
             f.result()
         return out
+
+    # ---- codec switch (rollback) ----------------------------------------------------------
+    def apply_codec_switch(self) -> bool:
+        """Adopt the codec the servers announced (call between steps). True if it changed."""
+        if self.codec != self.compressor.spec:
+            self.compressor.set_spec(self.codec)
+            return True
+        return False
+
+    def set_codec(self, spec: str) -> int:
+        """Switch the whole job's codec (every shard; workers adopt it at their next step)."""
+        epochs = [_call(stub.SetCodec, pb.SetCodecRequest(codec=spec), 10.0).codec_epoch for stub in self.stubs]
+        self._note_codec(spec, max(epochs))
+        return max(epochs)
 
     # ---- misc ------------------------------------------------------------------------------
     def barrier(self, name: str, timeout_s: float | None = None) -> float:

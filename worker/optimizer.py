@@ -30,6 +30,7 @@ class DistributedOptimizer:
                                          optimizer=OptimizerConfig.from_torch(optimizer), **client_kw)
         self.backward_passes_per_step = backward_passes_per_step
         self.clock = 0                      # steps completed
+        self.codec_switches: list[tuple[int, str]] = []   # (first step using it, codec)
         self.timing = {"wait_s": 0.0, "blocked_s": 0.0, "steps": 0}
         self._staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named}
         self._pending: dict[str, list[Future]] = {}
@@ -69,6 +70,8 @@ class DistributedOptimizer:
         waited = max((f.result() for fs in self._pending.values() for f in fs), default=0.0)
         blocked = time.perf_counter() - t0
         self._load(self._staging)
+        if self.client.apply_codec_switch():
+            self.codec_switches.append((self.clock + 1, self.client.codec))
         self._pending.clear()
         self._passes.clear()
         self.clock += 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -23,10 +24,31 @@ def local_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
 
 
 def make_compressor(cfg: TrainConfig):
-    if cfg.codec in ("", "none"):
-        return None
     from compression import Compressor
-    return Compressor(cfg.codec)
+    return Compressor(cfg.codec, min_bytes=cfg.min_compress_bytes, warmup_steps=cfg.compress_warmup_steps)
+
+
+class LossGuard:
+    """Automatic rollback trigger: NaN/Inf loss, or smoothed loss above factor x its running minimum."""
+
+    def __init__(self, factor: float, warmup_steps: int, floor: float, beta: float = 0.95):
+        self.factor, self.warmup, self.floor, self.beta = factor, warmup_steps, floor, beta
+        self.ema = self.min_ema = None
+        self.steps = 0
+
+    def check(self, loss: float) -> str | None:
+        """A reason to roll back, or None."""
+        if not math.isfinite(loss):
+            return f"loss is {loss}"
+        self.steps += 1
+        self.ema = loss if self.ema is None else self.beta * self.ema + (1 - self.beta) * loss
+        if self.steps <= self.warmup:
+            self.min_ema = self.ema if self.min_ema is None else min(self.min_ema, self.ema)
+            return None
+        self.min_ema = min(self.min_ema, self.ema)
+        if self.factor > 0 and self.ema > self.factor * max(self.min_ema, self.floor):
+            return f"smoothed loss {self.ema:.4g} > {self.factor} x running minimum {max(self.min_ema, self.floor):.4g}"
+        return None
 
 
 def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int) -> dict:
@@ -39,18 +61,27 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int) -
                                compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
                                max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.timeout_s)
     batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
-    step_s, losses = [], []
+    step_s, losses, wire_per_step, fallbacks = [], [], [], []
+    guard = LossGuard(cfg.fallback_factor, cfg.fallback_warmup_steps, cfg.fallback_loss_floor)
     bar = tqdm(range(cfg.steps), desc=f"worker {rank}", disable=not cfg.progress, unit="step", dynamic_ncols=True, mininterval=0.5)
     t_start = time.perf_counter()
     for step in bar:
         t0 = time.perf_counter()
         xb, yb = next(batches)
+        wire0 = opt.client.stats.snapshot().get("bytes_pushed_wire", 0)
         loss = F.cross_entropy(model(xb), yb)
         opt.zero_grad()
-        loss.backward()
-        opt.step()
+        reason = guard.check(loss.item()) if opt.client.codec != "none" else None
+        if reason:   # rollback switch: the whole job goes back to uncompressed gradients
+            log.warning("worker %d step %d: %s; switching codec %s -> none", rank, step, reason, opt.client.codec)
+            opt.client.set_codec("none")
+            fallbacks.append({"step": step, "reason": reason})
+        if math.isfinite(loss.item()):
+            loss.backward()
+        opt.step()      # a non-finite loss pushes zero gradients: the step is skipped, not poisoned
         step_s.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        wire_per_step.append(opt.client.stats.snapshot().get("bytes_pushed_wire", 0) - wire0)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if cfg.log_every and step % cfg.log_every == 0:
@@ -78,6 +109,8 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int) -
         "final_test_accuracy": acc, "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "samples_per_s": cfg.steps * cfg.batch_size / wall if wall > 0 else 0.0,
         "model_params": param_count(model), "losses": losses,
+        "codec": cfg.codec, "final_codec": opt.client.codec, "codec_switches": opt.codec_switches,
+        "codec_fallbacks": fallbacks, "bytes_pushed_wire_steps": wire_per_step,
     }
     if rank == 0:
         result["server_stats"] = opt.client.server_stats()
