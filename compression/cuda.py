@@ -80,6 +80,17 @@ def _kernels():
                 x = (L << h) | R;
             } while (x >= (unsigned long long) n);
             out = (long long) x;""", "deltaps_feistel", preamble=_HASH),
+        # one output word per thread: OR in every value overlapping stream bits [64i, 64i + 64)
+        "bitpack": ek("raw uint64 d, int64 m, int64 bits", "uint64 w", """
+            long long lo = (long long) i * 64;
+            long long j = lo / bits, last = (lo + 63) / bits;
+            if (last > m - 1) last = m - 1;
+            unsigned long long acc = 0;
+            for (; j <= last; ++j) {
+                long long s = j * bits - lo;
+                acc |= s >= 0 ? d[j] << s : d[j] >> (-s);
+            }
+            w = acc;""", "deltaps_bitpack"),
     }
 
 
@@ -173,3 +184,29 @@ def topk_select(x: torch.Tensor, k: int, seed: int) -> torch.Tensor:
     eq = ca == vk
     keep = gt | (eq & (cp.cumsum(eq) <= k - int(gt.sum())))
     return to_torch(cand[keep])
+
+
+def bitpack_words(d, bits: int, nwords: int):
+    """wire.bitpack's stream as little-endian uint64 words (cupy), d: cupy uint64 values."""
+    cp = _cupy()
+    out = cp.empty(nwords, dtype=cp.uint64)
+    _kernels()["bitpack"](d, np.int64(d.size), np.int64(bits), out)
+    return out
+
+
+def encode_indices(idx: torch.Tensor, n: int) -> tuple[dict, torch.Tensor]:
+    """Same contract and bytes as wire.encode_indices, for CUDA int64 indices: (header fields,
+    uint8 CUDA tensor)."""
+    from compression import wire
+    cp = _cupy()
+    a = to_cupy(idx)
+    k = int(a.size)
+    gaps = cp.diff(a) - 1 if k > 1 else cp.zeros(0, dtype=cp.int64)
+    i0 = int(a[0]) if k else 0
+    enc, bits, nbytes = wire.choose_index_encoding(n, k, int(gaps.max()) if gaps.size else 0, i0)
+    if enc == "u16":
+        return {"enc": "u16"}, to_torch(a.astype(cp.uint16).view(cp.uint8))
+    if k == 1:
+        return {"enc": "bp", "bits": bits, "i0": i0}, torch.empty(0, dtype=torch.uint8, device=idx.device)
+    words = bitpack_words(gaps.astype(cp.uint64), bits, -(-((k - 1) * bits) // 64))
+    return {"enc": "bp", "bits": bits, "i0": i0}, to_torch(words.view(cp.uint8)[:nbytes])

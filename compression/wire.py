@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import torch
 
 from compression import buffers
@@ -98,3 +99,141 @@ def header_float(payload: Payload, name: str) -> float:
 
 def value_dtype(payload: Payload) -> torch.dtype:
     return TORCH_DTYPES[payload.dtype]
+
+
+# --- compact index sections (sparse codecs) -------------------------------------------------------
+# Strictly ascending indices idx[0..k) travel either as
+#   "u16": uint16 little-endian, one per index (only when n <= 65536), or
+#   "bp":  idx[0] in the header ("i0"), then the k-1 gaps minus one, d[j] = idx[j+1] - idx[j] - 1,
+#          bit-packed LSB first at a fixed width ("bits", 1..31): d[j] occupies stream bits
+#          [j*bits, (j+1)*bits), stream bit b being bit b % 8 of byte b // 8; unused high bits of the
+#          last byte are zero.
+# The encoder picks whichever is smaller on the wire, header included (u16 on a tie); see codecs.sparse. The CuPy back end packs
+# the same stream word by word (cuda.bitpack), so payload bytes are identical.
+
+U16_MAX_N = 1 << 16
+MAX_BITS = 31
+
+
+def gap_bits(max_gap: int) -> int:
+    """Bit width for gaps-minus-one up to max_gap: max(1, ceil(log2(max_gap + 1)))."""
+    return max(1, int(max_gap).bit_length())
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    return (count * bits + 7) // 8
+
+
+def index_nbytes_bound(n: int, k: int) -> int:
+    """Upper bound of the index section for k ascending indices in [0, n): the gaps minus one sum
+    to at most n - k, so none exceeds it; u16 is only chosen when 2k <= bp + header extra."""
+    if k <= 0:
+        return 0
+    bp = packed_nbytes(k - 1, gap_bits(n - k))
+    return min(2 * k, bp + _bp_header_extra(n - 1)) if n <= U16_MAX_N else bp
+
+
+def _bp_header_extra(i0: int) -> int:
+    """msgpack bytes the "bp" header adds over "u16": "bits" (fixstr + fixint), "i0" (fixstr + uint),
+    less one for the shorter "enc" value."""
+    return 6 + 3 + (1 if i0 < 128 else 2 if i0 < 256 else 3 if i0 < 65536 else 5) - 1
+
+
+def choose_index_encoding(n: int, k: int, max_gap: int, i0: int) -> tuple[str, int, int]:
+    """(encoding, bits, section nbytes) for k ascending indices starting at i0 whose largest
+    gap-minus-one is max_gap: the smaller on the wire, header included (u16 on a tie). For n <= 65536
+    bits <= 16, so bp's body is never larger and u16 only wins for a handful of indices."""
+    if k == 0:
+        return "u16", 0, 0
+    bits = gap_bits(max_gap)
+    bp = packed_nbytes(k - 1, bits)
+    if n <= U16_MAX_N and 2 * k <= bp + _bp_header_extra(i0):
+        return "u16", 0, 2 * k
+    return "bp", bits, bp
+
+
+def bitpack(d: np.ndarray, bits: int) -> np.ndarray:
+    """Pack values d (each < 2**bits, bits <= 31) into the LSB-first stream; uint8 array."""
+    m = int(d.size)
+    nbytes = packed_nbytes(m, bits)
+    if m == 0:
+        return np.zeros(0, np.uint8)
+    d = d.astype(np.uint64, copy=False)
+    ub = np.uint64(bits)
+    p = np.arange(m, dtype=np.uint64) * ub           # first stream bit of each value
+    off = p & np.uint64(63)
+    nwords = -(-(m * bits) // 64)
+    words = np.zeros(nwords, dtype=np.uint64)
+    # every word up to the one holding the last value's first bit holds a value start
+    nstart = (m - 1) * bits // 64 + 1
+    starts = -(-(np.arange(nstart, dtype=np.int64) * 64) // bits)
+    words[:nstart] = np.bitwise_or.reduceat(d << off, starts)  # bits never overlap: OR is exact
+    spill = np.flatnonzero(off + ub > np.uint64(64))         # values crossing into the next word
+    if spill.size:
+        w = (p[spill] >> np.uint64(6)).astype(np.intp) + 1
+        words[w] |= d[spill] >> (np.uint64(64) - off[spill])
+    return words.astype("<u8", copy=False).view(np.uint8)[:nbytes]
+
+
+def bitunpack(buf: np.ndarray, m: int, bits: int) -> np.ndarray:
+    """Inverse of bitpack: m values (uint64) from a uint8 stream of packed_nbytes(m, bits) bytes."""
+    if m == 0:
+        return np.zeros(0, np.uint64)
+    words = np.zeros(-(-(m * bits) // 64) + 1, dtype="<u8")
+    words.view(np.uint8)[:buf.size] = buf
+    p = np.arange(m, dtype=np.uint64) * np.uint64(bits)
+    w = (p >> np.uint64(6)).astype(np.intp)
+    off = p & np.uint64(63)
+    hi = words[w + 1] << ((np.uint64(64) - off) & np.uint64(63))
+    hi[off == 0] = 0
+    return ((words[w] >> off) | hi) & np.uint64((1 << bits) - 1)
+
+
+def encode_indices(idx: np.ndarray, n: int) -> tuple[dict, np.ndarray]:
+    """Header fields and index section (uint8 array) for ascending int64 indices in [0, n)."""
+    k = int(idx.size)
+    gaps = np.diff(idx) - 1 if k > 1 else np.zeros(0, np.int64)
+    enc, bits, _ = choose_index_encoding(n, k, int(gaps.max()) if gaps.size else 0, int(idx[0]) if k else 0)
+    if enc == "u16":
+        return {"enc": "u16"}, idx.astype("<u2").view(np.uint8)
+    return {"enc": "bp", "bits": bits, "i0": int(idx[0])}, bitpack(gaps, bits)
+
+
+def index_section(payload: Payload, n: int, k: int) -> tuple[str, int, int, int]:
+    """Validate the index header fields: (encoding, bits, i0, section nbytes)."""
+    enc = payload.header.get("enc")
+    if enc == "u16":
+        if n > U16_MAX_N:
+            raise CodecError(f"{payload.codec}: u16 indices for n={n} > {U16_MAX_N}")
+        return enc, 0, 0, 2 * k
+    if enc == "bp":
+        if k == 0:
+            raise CodecError(f"{payload.codec}: bit-packed indices with k=0")
+        bits = header_int(payload, "bits", 1, MAX_BITS)
+        i0 = header_int(payload, "i0", 0, n - 1)
+        return enc, bits, i0, packed_nbytes(k - 1, bits)
+    raise CodecError(f"{payload.codec}: unknown index encoding {enc!r} (want 'u16' or 'bp')")
+
+
+def decode_indices(payload: Payload, n: int, k: int, enc: str, bits: int, i0: int,
+                   section: torch.Tensor) -> torch.Tensor:
+    """int64 indices from a validated index section; CodecError unless strictly ascending in [0, n)."""
+    raw = section.numpy() if section.numel() else np.zeros(0, np.uint8)
+    bad = f"{payload.codec}: indices out of range [0, {n}) or not strictly ascending"
+    if enc == "u16":
+        idx = raw.view("<u2").astype(np.int64)
+        if k and (int(idx[-1]) >= n or not bool((idx[1:] > idx[:-1]).all())):
+            raise CodecError(bad)
+        return torch.from_numpy(idx)
+    m = k - 1
+    tail = (m * bits) % 8
+    if tail and int(raw[-1]) >> tail:
+        raise CodecError(f"{payload.codec}: nonzero padding bits in the packed indices")
+    idx = np.empty(k, dtype=np.int64)
+    idx[0] = i0
+    if m:
+        np.cumsum(bitunpack(raw, m, bits).astype(np.int64) + 1, out=idx[1:])
+        idx[1:] += i0
+        if int(idx[-1]) >= n:  # gaps are >= 1 by construction, so only the range can fail
+            raise CodecError(bad)
+    return torch.from_numpy(idx)

@@ -8,7 +8,8 @@ from compression import rng
 from compression.codecs.common import det_abs_mean, det_l2norm
 
 GPU_SPECS = ["fp16", "bf16", "int8", "int8:chunk=1000", "qsgd:levels=16", "qsgd:levels=3,chunk=777",
-             "sign", "topk:ratio=0.01", "topk:ratio=0.3", "randk:ratio=0.01"]
+             "sign", "topk:ratio=0.01", "topk:ratio=0.3", "topk:ratio=0.0001", "topk:ratio=1.0",
+             "randk:ratio=0.01"]
 
 
 def _ref_hash32(x):
@@ -61,7 +62,7 @@ def _cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", GPU_SPECS)
-@pytest.mark.parametrize("n", [1, 1000, 300_001, 1 << 20])
+@pytest.mark.parametrize("n", [1, 1000, 65536, 65537, 300_001, 1 << 20])
 def test_cupy_payload_bytes_equal_cpu(spec, n):
     _cuda()
     from compression import cuda
@@ -86,3 +87,40 @@ def test_cupy_dgc_steps_equal_cpu():
         pc, pg = cpu.compress(x, key="w", seed=step), gpu.compress(x.cuda(), key="w", seed=step)
         assert pg.header == pc.header and bytes(pg.data) == bytes(pc.data)
     assert torch.equal(gpu.residual("w").cpu(), cpu.residual("w"))
+
+
+def _index_patterns():
+    g = torch.Generator().manual_seed(9)
+    for n in (1, 2, 100, 65535, 65536, 65537, 1 << 20, (1 << 31) - 1):
+        yield n, [n - 1]
+        yield n, sorted({0, n - 1})
+        yield n, list(range(max(0, n - 5000), n))                      # contiguous: bits = 1
+        yield n, torch.unique(torch.randint(n, (min(n, 3000),), generator=g)).tolist()
+        yield n, sorted({0, n // 3, n - 1} | set(range(n // 2, min(n, n // 2 + 70))))  # huge gaps
+
+
+@pytest.mark.gpu
+def test_cupy_index_encoding_equals_cpu():
+    _cuda()
+    import numpy as np
+    from compression import cuda, wire
+    for n, idx in _index_patterns():
+        t = torch.tensor(idx, dtype=torch.int64)
+        hc, bc = wire.encode_indices(t.numpy(), n)
+        hg, bg = cuda.encode_indices(t.cuda(), n)
+        assert hg == hc, (n, len(idx))
+        assert bg.dtype == torch.uint8 and bytes(bg.cpu().numpy()) == bytes(np.ascontiguousarray(bc)), (n, len(idx))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [1, 7, 8, 13, 16, 21, 31])
+def test_cupy_bitpack_kernel_equals_cpu(bits):
+    cupy = _cuda()
+    import numpy as np
+    from compression import cuda, wire
+    g = np.random.default_rng(bits)
+    for m in (1, 2, 3, 63, 64, 65, 1000, 100_003):
+        d = g.integers(0, 1 << bits, m, dtype=np.uint64)
+        words = cuda.bitpack_words(cupy.asarray(d), bits, -(-(m * bits) // 64))
+        got = cupy.asnumpy(words).view(np.uint8)[:wire.packed_nbytes(m, bits)]
+        assert got.tobytes() == wire.bitpack(d, bits).tobytes()

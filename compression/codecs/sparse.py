@@ -1,7 +1,11 @@
 """Sparse codecs: topk (indices + values) and randk (values only; indices regenerated from a seed).
 
-topk body: int32 indices (strictly ascending) then the values in the tensor's dtype; header {k, n}.
-randk body: the values; header {k, n, seed}. dgc reuses the topk layout.
+topk body: the k values in the tensor's dtype (ascending index order), then the index section;
+header {k, n, enc} plus {bits, i0} when enc == "bp". The index section is either
+  enc="u16": k uint16 indices (only when n <= 65536), or
+  enc="bp":  idx[0] in header["i0"], then the k-1 gaps minus one bit-packed at header["bits"] bits,
+whichever is smaller (layout in compression.wire). randk body: the values; header {k, n, seed}.
+dgc reuses the topk layout.
 """
 from __future__ import annotations
 
@@ -9,10 +13,10 @@ import math
 
 import torch
 
-from compression import buffers, cuda, rng
+from compression import buffers, cuda, rng, wire
 from compression.base import Codec, CodecError, Payload, register
 from compression.codecs.common import flat, make_payload
-from compression.wire import body_size, check_payload, header_int, new_body, read_body, value_dtype
+from compression.wire import check_payload, header_int, new_body, read_body, value_dtype
 
 SAMPLE = 65536
 
@@ -69,33 +73,46 @@ class SparseCodec(Codec):
     default_error_feedback = True
     carries_indices = True
 
-    def _sections(self, k: int, dtype: torch.dtype):
-        return ([(torch.int32, k)] if self.carries_indices else []) + [(dtype, k)]
-
     def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int:
-        return body_size(self._sections(k_for(self.ratio, numel), dtype))
+        """Upper bound (exact for randk): values plus the worst-case index section."""
+        k = k_for(self.ratio, numel) if numel else 0
+        vals = k * torch.empty((), dtype=dtype).element_size()
+        return vals + (wire.index_nbytes_bound(numel, k) if self.carries_indices else 0)
 
     def _encode(self, tensor: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, header: dict) -> Payload:
-        k = idx.numel()
-        body, views = new_body(self._sections(k, tensor.dtype))
+        k, n = idx.numel(), src.numel()
+        sections = [(tensor.dtype, k)]
         if self.carries_indices:
-            views[0].copy_(idx)
-        views[-1].copy_(src[idx])
-        return make_payload(self.name, tensor, body, {"k": k, "n": src.numel(), **header})
+            if idx.device.type == "cpu":
+                ihdr, isec = wire.encode_indices(idx.numpy(), n)
+                isec = torch.from_numpy(isec)
+            else:
+                ihdr, isec = cuda.encode_indices(idx, n)
+            header = {**header, **ihdr}
+            sections.append((torch.uint8, isec.numel()))
+        body, views = new_body(sections)
+        views[0].copy_(src[idx])
+        if self.carries_indices:
+            views[1].copy_(isec)
+        return make_payload(self.name, tensor, body, {"k": k, "n": n, **header})
 
-    def indices(self, payload: Payload, n: int, k: int, body: list) -> torch.Tensor:
-        idx = body[0]
-        if k and (int(idx[0]) < 0 or int(idx[-1]) >= n or not bool((idx[1:] > idx[:-1]).all())):
-            raise CodecError(f"{payload.codec}: indices out of range [0, {n}) or not strictly ascending")
-        return idx
+    def _index_sections(self, payload: Payload, n: int, k: int):
+        """Index body sections after the values, and the validated header fields to decode them."""
+        enc, bits, i0, nbytes = wire.index_section(payload, n, k)
+        return [(torch.uint8, nbytes)], (enc, bits, i0)
+
+    def indices(self, payload: Payload, n: int, k: int, body: list, info) -> torch.Tensor:
+        return wire.decode_indices(payload, n, k, *info, body[1])
 
     def _read(self, payload: Payload):
+        """(n, int64 indices, values) of a validated payload; CodecError on anything inconsistent."""
         n = check_payload(payload)
         if header_int(payload, "n", 0) != n:
             raise CodecError(f"{payload.codec}: header n={payload.header['n']} does not match shape {payload.shape}")
         k = header_int(payload, "k", 0, n)
-        body = read_body(payload, self._sections(k, value_dtype(payload)))
-        return n, self.indices(payload, n, k, body), body[-1]
+        isections, info = self._index_sections(payload, n, k)
+        body = read_body(payload, [(value_dtype(payload), k)] + isections)
+        return n, self.indices(payload, n, k, body, info), body[0]
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         n, idx, vals = self._read(payload)
@@ -157,6 +174,9 @@ class RandKCodec(SparseCodec):
         idx = cuda.random_subset(n, k, seed, x.device) if cuda.wants(x) else rng.random_subset(n, k, seed)
         return self._encode(tensor, idx, x, {"seed": seed})
 
-    def indices(self, payload: Payload, n: int, k: int, body: list) -> torch.Tensor:
+    def _index_sections(self, payload: Payload, n: int, k: int):
+        return [], None
+
+    def indices(self, payload: Payload, n: int, k: int, body: list, info) -> torch.Tensor:
         seed = header_int(payload, "seed", 0)
         return rng.random_subset(n, k, seed) if n else torch.empty(0, dtype=torch.int64)
