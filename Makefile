@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test bench proto clean
+.PHONY: setup demo test bench proto clean prometheus
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -27,11 +27,24 @@ $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
 demo: setup
 	$(BIN)/deltaps launch --config configs/demo.yaml --json demo-summary.json
 
-test: setup
+test: setup prometheus
 	$(BIN)/python -m pytest -q
+
+# Real Prometheus + promtool for tests/test_metrics*.py (Debian package). Never fails the build: without
+# it those tests skip and say why.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo -n ); \
+	  ( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	      --no-install-recommends prometheus ) >/dev/null 2>&1 \
+	  && echo "make prometheus: installed $$(prometheus --version 2>&1 | head -1)" \
+	  || echo "make prometheus: could not install the prometheus package; the Prometheus tests will skip"; }
 
 bench: setup
 	$(BIN)/deltaps bench codecs --size 16MiB --json bench-codecs.json
+	# short allreduce-vs-PS comparison on 1 Gbit/s namespace links (loopback when not root); a few minutes
+	$(BIN)/deltaps bench compare --workers 4 --bandwidth 1gbit --hidden 1024 --steps 30 \
+		--modes allreduce,ps:none,ps:int8,ps:topk:ratio=0.01 --json bench-compare.json --plot bench-compare.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

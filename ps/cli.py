@@ -7,6 +7,7 @@ import logging
 import sys
 
 from ps.config import WORKER_EXCLUDED, add_train_args, config_from_args
+from ps.metrics import add_metrics_args
 
 
 def _servers(value: str) -> list[str]:
@@ -27,7 +28,13 @@ def cmd_server(args) -> int:
     if not 0 <= args.shard_id < args.num_shards:
         raise SystemExit(f"--shard-id {args.shard_id} must be in [0, {args.num_shards})")
     shard = Shard(args.shard_id, args.num_shards, wait_timeout_s=args.wait_timeout)
-    serve_forever(shard, args.host, args.port, args.port_file, max_message_bytes=args.max_message_bytes)
+    metrics = None
+    if args.metrics_port is not None:
+        from ps.metrics import ServerMetrics, maybe_start_exporter
+        metrics = ServerMetrics(shard)
+        maybe_start_exporter(args, metrics.registry, f"deltaps server shard={args.shard_id}")
+    serve_forever(shard, args.host, args.port, args.port_file, max_message_bytes=args.max_message_bytes,
+                  metrics=metrics)
     return 0
 
 
@@ -35,7 +42,22 @@ def cmd_worker(args) -> int:
     from worker.train import train_ps
 
     cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
-    result = train_ps(cfg, args.servers, args.rank, args.world_size)
+    if cfg.mode == "allreduce":   # DDP baseline; flags absent -> torchrun's RANK/WORLD_SIZE/MASTER_*
+        from worker.allreduce import env_rendezvous, train_allreduce
+        rank, world, addr, port = env_rendezvous(args.rank, args.world_size, args.master_addr, args.master_port)
+        args.rank = rank
+        result = train_allreduce(cfg, rank, world, addr, port, backend=args.backend,
+                                 bucket_cap_mb=args.bucket_cap_mb)
+    elif not args.servers or args.rank is None or args.world_size is None:
+        raise ValueError("mode ps needs --servers, --rank and --world-size")
+    else:
+        metrics = None
+        if args.metrics_port is not None:
+            from ps.metrics import maybe_start_exporter
+            from worker.metrics import WorkerMetrics
+            metrics = WorkerMetrics(args.rank, codec=cfg.codec)
+            maybe_start_exporter(args, metrics.registry, f"deltaps worker rank={args.rank}")
+        result = train_ps(cfg, args.servers, args.rank, args.world_size, metrics=metrics)
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(result, f)
@@ -47,7 +69,7 @@ def cmd_launch(args) -> int:
     from ps.launch import launch, print_summary
 
     cfg = config_from_args(args)
-    summary = launch(cfg, args.json)
+    summary = launch(cfg, args.json, metrics=args.metrics)
     print_summary(summary)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("per_worker", "server_stats",
                                                                     "loss_curve_rank0")}, indent=2))
@@ -82,6 +104,9 @@ def cmd_bench(args, rest: list[str]) -> int:
     if args.what == "codecs":
         from compression.bench import main as bench_codecs
         return bench_codecs(rest) or 0
+    if args.what == "compare":
+        from ps.bench_compare import main as bench_compare
+        return bench_compare(rest) or 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -99,16 +124,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--wait-timeout", type=float, default=300.0,
                    help="longest a pull/barrier may block waiting for other workers, seconds")
     s.add_argument("--max-message-bytes", type=int, default=64 << 20, help="gRPC max message size")
+    add_metrics_args(s)
 
     w = sub.add_parser("worker", help="run one training worker against running shards")
-    w.add_argument("--servers", type=_servers, required=True, help="comma-separated host:port of every shard, in shard order")
-    w.add_argument("--rank", type=int, required=True, help="this worker's rank, 0-based")
-    w.add_argument("--world-size", type=int, required=True, help="number of workers")
+    w.add_argument("--servers", type=_servers, help="comma-separated host:port of every shard, in shard order (mode ps)")
+    w.add_argument("--rank", type=int, help="this worker's rank, 0-based (allreduce: default $RANK)")
+    w.add_argument("--world-size", type=int, help="number of workers (allreduce: default $WORLD_SIZE)")
+    w.add_argument("--master-addr", help="allreduce rendezvous host (default $MASTER_ADDR or 127.0.0.1)")
+    w.add_argument("--master-port", type=int, help="allreduce rendezvous port (default $MASTER_PORT or 29500)")
+    w.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="allreduce backend: auto = nccl with CUDA, else gloo")
+    w.add_argument("--bucket-cap-mb", type=float, default=25.0, help="allreduce: DDP gradient bucket size, MiB")
     w.add_argument("--result-json", help="write this worker's measurements here")
+    add_metrics_args(w)
     add_train_args(w, exclude=WORKER_EXCLUDED)
 
     la = sub.add_parser("launch", help="start a local cluster (shards + workers), train, summarise")
     la.add_argument("--json", help="write the summary JSON here")
+    la.add_argument("--metrics", action="store_true",
+                    help="start a Prometheus exporter in every server and worker (free ports; URLs printed)")
     add_train_args(la)
 
     c = sub.add_parser("ctl", help="control a running job")
@@ -118,8 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("spec", help="codec spec, e.g. none")
     csub.add_parser("stats", help="print each shard's counters")
 
-    b = sub.add_parser("bench", help="benchmarks: codecs")
-    b.add_argument("what", choices=["codecs"], help="which benchmark")
+    from ps.top import add_top_parser
+    add_top_parser(sub)
+
+    b = sub.add_parser("bench", help="benchmarks: codecs, compare (allreduce vs PS on a shaped network)")
+    b.add_argument("what", choices=["codecs", "compare"], help="which benchmark")
     return p
 
 
@@ -139,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_launch(args)
         if args.cmd == "ctl":
             return cmd_ctl(args)
+        if args.cmd == "top":
+            from ps.top import cmd_top
+            return cmd_top(args)
         return cmd_bench(args, rest)
     except ValueError as e:
         print(f"deltaps: error: {e}", file=sys.stderr)

@@ -10,7 +10,7 @@ import yaml
 
 @dataclass
 class TrainConfig:
-    mode: str = "ps"                 # ps (parameter servers)
+    mode: str = "ps"                 # ps (parameter servers) | allreduce (DDP baseline)
     sync: str = "bsp"                # bsp | asp | ssp:S
     servers: int = 2                 # launch: number of PS shards
     workers: int = 2                 # launch: number of workers (= world size)
@@ -39,8 +39,8 @@ class TrainConfig:
     def validate(self) -> None:
         from ps.sync import parse_sync
         parse_sync(self.sync)
-        if self.mode not in ("ps",):
-            raise ValueError(f"unknown mode {self.mode!r}; use ps")
+        if self.mode not in ("ps", "allreduce"):
+            raise ValueError(f"unknown mode {self.mode!r}; use ps or allreduce")
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
         for name in ("servers", "workers", "steps", "batch_size", "hidden", "layers", "chunk_bytes"):
@@ -54,7 +54,7 @@ class TrainConfig:
 
 
 _HELP = {
-    "mode": "training mode: ps", "sync": "bsp, asp or ssp:S", "servers": "number of PS shards (launch)",
+    "mode": "training mode: ps (parameter servers) or allreduce (DDP ring-allreduce baseline)", "sync": "bsp, asp or ssp:S", "servers": "number of PS shards (launch)",
     "workers": "number of workers / world size (launch)", "steps": "training steps per worker",
     "batch_size": "batch size per worker", "optimizer": "server-side optimizer: sgd or adam",
     "lr": "learning rate", "momentum": "SGD momentum", "weight_decay": "weight decay",

@@ -25,6 +25,13 @@ def _wait_port(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> int:
     raise TimeoutError("server did not start listening in time")
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
     for p in procs:
         if p.poll() is None:
@@ -45,7 +52,15 @@ def _tail(path: str, n: int = 30) -> str:
         return ""
 
 
-def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.1", quiet: bool = False) -> dict:
+def _metrics_args(on: bool, host: str, port_file: str) -> list[str]:
+    """Exporter flags for a server/worker process: a free port, written next to the gRPC port file."""
+    return ["--metrics-port", "0", "--metrics-addr", host, "--metrics-port-file", port_file] if on else []
+
+
+def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.1", quiet: bool = False,
+           metrics: bool = False) -> dict:
+    """metrics: start a Prometheus exporter in every server and (ps-mode) worker; the summary's
+    metrics_urls lists them (they live as long as the cluster does)."""
     t_launch = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="deltaps-launch-")
     cfg_path = os.path.join(tmp, "config.yaml")
@@ -53,25 +68,41 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
     py = [sys.executable, "-m", "ps"]
     servers, workers = [], []
+    metrics_urls: list[str] = []
     try:
-        for i in range(cfg.servers):
+        for i in range(cfg.servers if cfg.mode == "ps" else 0):   # allreduce: no servers
             log = open(os.path.join(tmp, f"server{i}.log"), "w")
             servers.append(subprocess.Popen(py + ["server", "--host", host, "--port", "0", "--shard-id", str(i),
                                                   "--num-shards", str(cfg.servers), "--port-file",
-                                                  os.path.join(tmp, f"server{i}.port")],
+                                                  os.path.join(tmp, f"server{i}.port"),
+                                                  *_metrics_args(metrics, host,
+                                                                 os.path.join(tmp, f"server{i}.metrics.port"))],
                                             stdout=log, stderr=subprocess.STDOUT))
         addrs = [f"{host}:{_wait_port(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
-        if not quiet:
+        target = (["--servers", ",".join(addrs)] if cfg.mode == "ps"
+                  else ["--master-addr", host, "--master-port", str(free_port(host))])
+        if not quiet and cfg.mode == "allreduce":
+            print(f"deltaps launch: allreduce (DDP) rendezvous at {host}:{target[-1]}; {cfg.workers} workers", flush=True)
+        elif not quiet:
             print(f"deltaps launch: {cfg.servers} shards at {','.join(addrs)}; {cfg.workers} workers, "
                   f"sync={cfg.sync} codec={cfg.codec}", flush=True)
         for r in range(cfg.workers):
             show = r == 0 and cfg.progress and not quiet
             out = None if show else open(os.path.join(tmp, f"worker{r}.log"), "w")
             workers.append(subprocess.Popen(
-                py + ["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", str(cfg.workers),
+                py + ["worker", *target, "--rank", str(r), "--world-size", str(cfg.workers),
                       "--config", cfg_path, "--result-json", os.path.join(tmp, f"worker{r}.json"),
-                      "--progress" if show else "--no-progress"],
+                      "--progress" if show else "--no-progress",
+                      *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port"))],
                 stdout=out, stderr=None if show else subprocess.STDOUT))
+        if metrics:
+            metrics_urls = [f"http://{host}:{_wait_port(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
+                            for i, p in enumerate(servers)]
+            if cfg.mode == "ps":
+                metrics_urls += [f"http://{host}:{_wait_port(os.path.join(tmp, f'worker{r}.metrics.port'), p)}/metrics"
+                                 for r, p in enumerate(workers)]
+            if not quiet:
+                print("deltaps launch: metrics at " + " ".join(metrics_urls), flush=True)
         failed = _wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 2.0)
         if failed:
             logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{_tail(os.path.join(tmp, f'worker{r}.log'))}"
@@ -82,6 +113,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         _stop(servers)
     results = [json.load(open(os.path.join(tmp, f"worker{r}.json"))) for r in range(cfg.workers)]
     summary = summarize(cfg, results, time.perf_counter() - t_launch)
+    summary["metrics_urls"] = metrics_urls
     if json_path:
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)

@@ -87,11 +87,16 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
 
 def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = 64):
-    """Start serving; returns (grpc.Server, bound port). Port 0 picks a free port."""
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = 64, metrics=None):
+    """Start serving; returns (grpc.Server, bound port). Port 0 picks a free port.
+
+    metrics: an optional ps.metrics.ServerMetrics whose hooks wrap the servicer's RPCs."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps"),
                          options=grpc_options(max_message_bytes))
-    rpc.add_ParameterServerServicer_to_server(ParameterServerServicer(shard), server)
+    servicer = ParameterServerServicer(shard)
+    if metrics is not None:
+        metrics.instrument(servicer)
+    rpc.add_ParameterServerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")

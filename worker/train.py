@@ -51,7 +51,8 @@ class LossGuard:
         return None
 
 
-def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int) -> dict:
+def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, metrics=None) -> dict:
+    """metrics: optional worker.metrics.WorkerMetrics fed once per step."""
     """Train for cfg.steps, then evaluate the servers' final parameters on the held-out split."""
     torch.set_num_threads(1)
     x_tr, y_tr, x_te, y_te = load_digits_split(cfg.seed)
@@ -60,6 +61,8 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int) -
                                world_size=world_size, sync=cfg.sync, codec=cfg.codec,
                                compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
                                max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.timeout_s)
+    if metrics is not None:
+        metrics.attach(opt)
     batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
     step_s, losses, wire_per_step, fallbacks = [], [], [], []
     guard = LossGuard(cfg.fallback_factor, cfg.fallback_warmup_steps, cfg.fallback_loss_floor)
@@ -76,11 +79,15 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int) -
             log.warning("worker %d step %d: %s; switching codec %s -> none", rank, step, reason, opt.client.codec)
             opt.client.set_codec("none")
             fallbacks.append({"step": step, "reason": reason})
+            if metrics is not None:
+                metrics.on_fallback(reason)
         if math.isfinite(loss.item()):
             loss.backward()
         opt.step()      # a non-finite loss pushes zero gradients: the step is skipped, not poisoned
         step_s.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if metrics is not None:
+            metrics.on_step(step_s[-1], losses[-1], len(yb))
         wire_per_step.append(opt.client.stats.snapshot().get("bytes_pushed_wire", 0) - wire0)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")

@@ -1,0 +1,246 @@
+"""Prometheus exporter of one parameter-server shard (and the exporter plumbing workers share).
+
+Every process gets its own CollectorRegistry (tests run several shards in one process), served by
+prometheus_client's start_http_server. Labels stay low-cardinality: shard, rpc, codec, reason — never
+a parameter or key name.
+
+Most values are read from the Shard at scrape time (its counters, staleness tally, key versions, live
+set), so the hot path pays nothing for them; what the shard does not keep (latencies, per-codec bytes,
+rejections, barrier waits) is recorded by wrapping the servicer's RPC methods (`instrument`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+log = logging.getLogger("deltaps.metrics")
+
+# Latency buckets: 100 us .. 60 s (pushes of small models take ~1 ms, a blocked bsp pull can take seconds).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0)
+# Staleness in versions (integers; bucket le=N counts pushes at most N versions behind).
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+
+SERVER_RPCS = ("Register", "Init", "Push", "Pull", "Barrier", "SetCodec", "Stats")
+
+
+def start_exporter(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1",
+                   port_file: str | None = None, what: str = "deltaps") -> tuple[object, int]:
+    """Serve /metrics of `registry` on addr:port (0 = a free port); returns (http server, bound port).
+
+    The bound port is logged, printed, and written atomically to port_file when given."""
+    httpd, _thread = start_http_server(port, addr=addr, registry=registry)
+    bound = httpd.server_port
+    log.info("%s metrics on http://%s:%d/metrics", what, addr, bound)
+    print(f"{what} metrics on http://{addr}:{bound}/metrics", flush=True)
+    if port_file:
+        tmp = port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(bound))
+        os.replace(tmp, port_file)
+    return httpd, bound
+
+
+def stop_exporter(httpd) -> None:
+    try:
+        httpd.shutdown()
+        httpd.server_close()
+    except Exception:  # noqa: BLE001 - best effort at teardown
+        pass
+
+
+def _raw_nbytes(chunk) -> int:
+    """Bytes the chunk's tensor would take uncompressed (dense float32 on the wire, as codec none sends)."""
+    n = 1
+    for d in chunk.shape:
+        n *= int(d)
+    return 4 * n
+
+
+class _ShardCollector:
+    """Scrape-time view of a Shard's own state."""
+
+    def __init__(self, shard):
+        self.shard = shard
+
+    def describe(self):   # no describe-time collect (the shard may not have a job yet)
+        return []
+
+    def collect(self):
+        sh = self.shard
+        sid = str(sh.shard_id)
+        c = dict(sh.counters)
+        for name, key, doc in (
+                ("deltaps_server_pushes", "pushes", "Push requests accepted (one per worker RPC, duplicates included)"),
+                ("deltaps_server_pulls", "pulls", "Pull requests served"),
+                ("deltaps_server_duplicate_pushes", "duplicates", "Per-key pushes ignored as retried duplicates"),
+                ("deltaps_server_grads_applied", "grads_applied", "Optimizer updates applied to keys"),
+                ("deltaps_server_sent_bytes", "bytes_sent", "Wire bytes of parameter values sent in pull responses"),
+        ):
+            m = CounterMetricFamily(name, doc, labels=["shard"])
+            m.add_metric([sid], float(c.get(key, 0)))
+            yield m
+
+        states = list(sh.keys.values())
+        versions = [ks.version for ks in states] or [0]
+        for name, val, doc in (
+                ("deltaps_server_key_version_min", min(versions), "Lowest key version (clock) on this shard"),
+                ("deltaps_server_key_version_max", max(versions), "Highest key version (clock) on this shard"),
+                ("deltaps_server_keys", len(states), "Keys (parameter chunks) held by this shard"),
+                ("deltaps_server_live_workers", len(sh.live), "Live workers of the registered job"),
+                ("deltaps_server_codec_epoch", sh.codec_epoch, "Codec switches announced by this shard"),
+        ):
+            m = GaugeMetricFamily(name, doc, labels=["shard"])
+            m.add_metric([sid], float(val))
+            yield m
+        info = GaugeMetricFamily("deltaps_server_codec_info", "Gradient codec the shard announces (value 1)",
+                                 labels=["shard", "codec"])
+        info.add_metric([sid, sh.codec], 1.0)
+        yield info
+
+        tally = dict(sh.staleness)    # staleness (versions behind at apply) -> per-key pushes
+        buckets, acc = [], 0
+        for b in STALENESS_BUCKETS:
+            acc = sum(n for s, n in tally.items() if s <= b)
+            buckets.append((str(b), float(acc)))
+        total = sum(tally.values())
+        buckets.append(("+Inf", float(total)))
+        h = HistogramMetricFamily("deltaps_server_staleness_versions",
+                                  "Staleness of applied per-key pushes: key version at apply minus version pulled",
+                                  labels=["shard"])
+        h.add_metric([sid], buckets, sum_value=float(sum(s * n for s, n in tally.items())))
+        yield h
+        g = GaugeMetricFamily("deltaps_server_staleness_max_versions", "Largest staleness seen so far",
+                              labels=["shard"])
+        g.add_metric([sid], float(max(tally, default=0)))
+        yield g
+        job = sh.job
+        if job is not None and job.sync.kind in ("bsp", "ssp"):   # asp has no bound: no series
+            b = GaugeMetricFamily("deltaps_server_staleness_bound_versions",
+                                  "Staleness the sync mode allows (bsp 0, ssp:S S); absent under asp",
+                                  labels=["shard", "sync"])
+            b.add_metric([sid, str(job.sync)], float(job.sync.bound if job.sync.kind == "ssp" else 0))
+            yield b
+
+
+class ServerMetrics:
+    """Metrics of one shard. `instrument(servicer)` hooks the RPC methods; the rest is read at scrape."""
+
+    def __init__(self, shard, registry: CollectorRegistry | None = None, process: bool = True):
+        self.shard = shard
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.sid = str(shard.shard_id)
+        r = self.registry
+        self.received = Counter("deltaps_server_received_bytes", "Wire bytes of gradients received in pushes",
+                                ["shard", "codec"], registry=r)
+        self.received_raw = Counter("deltaps_server_received_raw_bytes",
+                                    "Uncompressed (dense float32) equivalent of the gradients received",
+                                    ["shard", "codec"], registry=r)
+        self.apply_s = Histogram("deltaps_server_apply_seconds",
+                                 "Time to validate and apply one push request (all its keys)", ["shard"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.rpc_s = Histogram("deltaps_server_rpc_seconds", "Server-side handling time of an RPC, by method",
+                               ["shard", "rpc"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("deltaps_server_rejected_requests",
+                                "Requests refused, by RPC and gRPC status code", ["shard", "rpc", "reason"],
+                                registry=r)
+        self.barrier_wait = Counter("deltaps_server_barrier_wait_seconds",
+                                    "Seconds workers spent blocked in barriers on this shard", ["shard"], registry=r)
+        self.barriers = Counter("deltaps_server_barriers", "Barrier calls completed", ["shard"], registry=r)
+        self.pull_wait = Counter("deltaps_server_pull_wait_seconds",
+                                 "Seconds pulls waited for keys to reach the requested version", ["shard"], registry=r)
+        r.register(_ShardCollector(shard))
+        if process:
+            from prometheus_client import ProcessCollector
+            try:
+                ProcessCollector(registry=r)
+            except Exception:  # noqa: BLE001 - non-Linux
+                pass
+        for rpc in SERVER_RPCS:   # make the series exist from the start (rate() needs two samples)
+            self.rpc_s.labels(self.sid, rpc)
+        self.apply_s.labels(self.sid)
+        self.barrier_wait.labels(self.sid)
+        self.barriers.labels(self.sid)
+        self.pull_wait.labels(self.sid)
+        self._instrumented = False
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def instrument(self, servicer) -> None:
+        """Wrap the servicer's RPC methods (instance attributes shadow the class's guarded ones)."""
+        if self._instrumented:
+            return
+        self._instrumented = True
+        for rpc in SERVER_RPCS:
+            orig = getattr(servicer, rpc, None)
+            if orig is not None:
+                setattr(servicer, rpc, self._wrap(rpc, orig))
+        shard_push = servicer.shard.push
+        hist = self.apply_s.labels(self.sid)
+
+        def timed_push(*a, **kw):
+            t0 = time.perf_counter()
+            out = shard_push(*a, **kw)
+            hist.observe(time.perf_counter() - t0)
+            return out
+        servicer.shard.push = timed_push
+
+    def _wrap(self, rpc: str, fn):
+        hist = self.rpc_s.labels(self.sid, rpc)
+        sid = self.sid
+
+        def handler(request, context):
+            t0 = time.perf_counter()
+            try:
+                rep = fn(request, context)
+            except BaseException:
+                code = None
+                try:
+                    code = context.code()
+                except Exception:  # noqa: BLE001
+                    pass
+                self.rejected.labels(sid, rpc, getattr(code, "name", None) or "UNKNOWN").inc()
+                raise
+            finally:
+                hist.observe(time.perf_counter() - t0)
+            if rpc == "Push":
+                for c in request.grads:
+                    codec = c.codec or "none"
+                    self.received.labels(sid, codec).inc(len(c.data) + len(c.header))
+                    self.received_raw.labels(sid, codec).inc(_raw_nbytes(c))
+            elif rpc == "Pull":
+                self.pull_wait.labels(sid).inc(max(0.0, rep.waited_s))
+            elif rpc == "Barrier":
+                self.barrier_wait.labels(sid).inc(max(0.0, rep.waited_s))
+                self.barriers.labels(sid).inc()
+            return rep
+        handler.__name__ = rpc
+        return handler
+
+
+def metric_names(registry: CollectorRegistry) -> set[str]:
+    """Every sample name the registry exposes (with _total/_bucket/_count/_sum/_created suffixes)."""
+    names = set()
+    for fam in registry.collect():
+        for s in fam.samples:
+            names.add(s.name)
+    return names
+
+
+# ---- command-line plumbing (deltaps server / worker) ----------------------------------------
+def add_metrics_args(p) -> None:
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0 = a free port, printed); default off")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
+    p.add_argument("--metrics-port-file", help="write the bound metrics port to this file")
+
+
+def maybe_start_exporter(args, registry: CollectorRegistry, what: str):
+    """Start the exporter if --metrics-port was given; returns the http server or None."""
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    httpd, _ = start_exporter(registry, args.metrics_port, args.metrics_addr, args.metrics_port_file, what)
+    return httpd
