@@ -23,6 +23,7 @@ class TrainConfig:
     codec: str = "none"              # gradient codec spec, e.g. int8, topk:ratio=0.01
     chunk_bytes: int = 4 << 20       # tensors are split into keys of at most this size
     max_message_bytes: int = 64 << 20
+    pull_codec: str = "auto"         # parameter deltas served by pulls: auto (int8 if codec != none), none, spec
     min_compress_bytes: int = 1024   # smaller tensors go uncompressed (256 float32)
     compress_warmup_steps: int = 0   # send uncompressed for the first N steps
     fallback_factor: float = 3.0     # auto-rollback to codec none if smoothed loss > factor x its minimum (0 = off)
@@ -47,7 +48,9 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         from compression import get_codec
+        from ps.pull_codec import resolve_pull_codec
         get_codec(self.codec)
+        resolve_pull_codec(self.pull_codec, self.codec)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,6 +64,7 @@ _HELP = {
     "codec": "gradient codec spec (none, fp16, int8, topk:ratio=0.01, ...)",
     "chunk_bytes": "split tensors into keys of at most this many bytes",
     "max_message_bytes": "gRPC max send/receive message size", "hidden": "MLP hidden width",
+    "pull_codec": "codec for parameter deltas sent back by pulls: auto (int8 when --codec is not none), none, or a spec",
     "min_compress_bytes": "tensors smaller than this go uncompressed",
     "compress_warmup_steps": "send uncompressed for the first N steps",
     "fallback_factor": "roll back to codec none when smoothed loss exceeds this factor of its minimum (0 = off)",

@@ -13,7 +13,9 @@ from protos import PROTOCOL_VERSION, pb, rpc
 from ps.optimizer import OptimizerConfig
 from ps.partition import Key
 from ps.shard import Shard, ShardError
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_tensor, chunk_nbytes, decode_chunk, grpc_options, unpack_chunk
+from ps.pull_codec import DELTA, FULL
+from ps.security import Security
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, chunk_from_tensor, chunk_nbytes, decode_chunk, grpc_options, unpack_chunk
 
 log = logging.getLogger("deltaps.server")
 
@@ -43,7 +45,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         keys = [Key(k.key, k.param, k.offset, k.numel, k.dtype, k.shard) for k in req.keys]
         initialized = self.shard.register(req.worker_id, req.world_size, req.num_shards, req.sync,
                                           OptimizerConfig.from_proto(req.optimizer), keys, req.layout_digest,
-                                          req.codec or "none")
+                                          req.codec or "none", req.pull_codec or "auto")
         log.info("worker %d registered (world %d, sync %s, %d keys)", req.worker_id, req.world_size, req.sync,
                  len(keys))
         return pb.RegisterResponse(shard_id=self.shard.shard_id, initialized=initialized,
@@ -63,10 +65,12 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Pull(self, req, context):
-        items, waited = self.shard.pull(list(req.keys), req.min_version, req.timeout_s)
-        values = [chunk_from_tensor(k, v) for k, v, _ in items]
+        items, waited = self.shard.pull(list(req.keys), req.min_version, req.timeout_s,
+                                        list(req.have_versions) or None)
+        values = [_pull_chunk(k, kind, obj) for k, kind, obj, _ in items]
         self.shard.counters["bytes_sent"] += sum(chunk_nbytes(c) for c in values)
-        return pb.PullResponse(values=values, versions=[v for _, _, v in items], waited_s=waited,
+        return pb.PullResponse(values=values, versions=[v for *_, v in items], kinds=[i[1] for i in items],
+                               waited_s=waited,
                                codec=self.shard.codec, codec_epoch=self.shard.codec_epoch)
 
     @_guard
@@ -86,18 +90,50 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         return pb.StatsResponse(**self.shard.stats())
 
 
+def _pull_chunk(key: str, kind: int, obj) -> pb.TensorChunk:
+    if kind == FULL:
+        return chunk_from_tensor(key, obj)
+    if kind == DELTA:
+        return chunk_from_payload(key, obj)
+    return pb.TensorChunk(key=key)
+
+
+HEALTH_SERVICES = ("", "deltaps.ParameterServer")
+
+
+def add_health_service(server):
+    """grpc.health.v1.Health (Kubernetes `grpc:` probes, grpc_health_probe): SERVING for "" and
+    deltaps.ParameterServer while the server runs, NOT_SERVING once it starts shutting down."""
+    try:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    except ImportError:  # grpcio-health-checking is a dependency; degrade rather than refuse to serve
+        log.warning("grpcio-health-checking not installed: no grpc.health.v1 service")
+        return None
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in HEALTH_SERVICES:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
 def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = 64, metrics=None):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = 64, metrics=None,
+                 security=None):
     """Start serving; returns (grpc.Server, bound port). Port 0 picks a free port.
 
-    metrics: an optional ps.metrics.ServerMetrics whose hooks wrap the servicer's RPCs."""
+    metrics: an optional ps.metrics.ServerMetrics whose hooks wrap the servicer's RPCs.
+    security: an optional ps.security.Security (token auth on every RPC, TLS/mTLS); None = plaintext, no auth."""
+    security = security or Security()
+    for warning in security.exposure_warnings(host):
+        log.warning("%s", warning)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps"),
-                         options=grpc_options(max_message_bytes))
+                         options=grpc_options(max_message_bytes), interceptors=security.server_interceptors())
     servicer = ParameterServerServicer(shard)
     if metrics is not None:
         metrics.instrument(servicer)
     rpc.add_ParameterServerServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    server.deltaps_health = add_health_service(server)
+    bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
@@ -107,7 +143,8 @@ def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
 def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = None, **kw) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get a grace period)."""
     server, bound = start_server(shard, host, port, **kw)
-    log.info("shard %d/%d listening on %s:%d", shard.shard_id, shard.num_shards, host, bound)
+    log.info("shard %d/%d listening on %s:%d (%s)", shard.shard_id, shard.num_shards, host, bound,
+             (kw.get("security") or Security()).describe("server"))
     print(f"deltaps server shard={shard.shard_id} listening on {host}:{bound}", flush=True)
     if port_file:
         tmp = port_file + ".tmp"
@@ -120,4 +157,6 @@ def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = No
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shard %d shutting down", shard.shard_id)
+    if getattr(server, "deltaps_health", None) is not None:
+        server.deltaps_health.enter_graceful_shutdown()
     server.stop(grace=5).wait()

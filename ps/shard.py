@@ -7,9 +7,12 @@ worker pulled, so under ssp:S it never exceeds S.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +20,10 @@ import torch
 from compression.server import Decoded
 from ps.optimizer import KeyOptimizer, OptimizerConfig
 from ps.partition import Key
+from ps.pull_codec import FULL, UNCHANGED, PullView, resolve_pull_codec
 from ps.sync import SyncMode, parse_sync
+
+log = logging.getLogger("deltaps.shard")
 
 
 class ShardError(Exception):
@@ -36,6 +42,7 @@ class Job:
     optimizer: OptimizerConfig
     digest: str
     codec: str
+    pull_codec: str = "auto"         # as configured; Shard.pull_spec is the one in force
 
 
 @dataclass
@@ -49,19 +56,37 @@ class KeyState:
     agg: torch.Tensor | None = None                  # bsp: sum of this step's gradients
     agg_from: set = field(default_factory=set)
     opt: KeyOptimizer | None = None
+    view: PullView | None = None                     # compressed-pull view (None: pulls send values)
+    exact_since: int = -1                            # version at which the last view was dropped
+
+
+NONFINITE_POLICIES = ("reject", "skip")
 
 
 class Shard:
-    def __init__(self, shard_id: int, num_shards: int, wait_timeout_s: float = 300.0):
+    def __init__(self, shard_id: int, num_shards: int, wait_timeout_s: float = 300.0, *,
+                 worker_timeout_s: float = 0.0, nonfinite: str = "reject"):
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         self.shard_id = shard_id
         self.num_shards = num_shards
         self.wait_timeout_s = wait_timeout_s
+        # ---- reliability (ps/durability.py, README "Failure semantics") ----
+        self.server_id = secrets.token_hex(8)      # new on every process start: clients detect restarts
+        self.worker_timeout_s = worker_timeout_s   # > 0: evict live workers silent for longer than this
+        self.nonfinite = nonfinite                 # reject (INVALID_ARGUMENT) | skip (ack, not applied)
+        self.last_seen: dict[int, float] = {}      # worker -> monotonic time of its last RPC
+        self.checkpointing = False                 # set by ps.durability.Checkpointer
+        self.durable_hist: deque = deque(maxlen=2)  # {worker: durable step} of the newest 2 checkpoints
+        self.checkpoint_version = -1               # min key version of the latest checkpoint (-1: none)
+        self._reaper: threading.Thread | None = None
         self.job: Job | None = None
         self.keys: dict[str, KeyState] = {}
         self.live: set[int] = set()
         self.lock = threading.Lock()
         self.codec = "none"
         self.codec_epoch = 0
+        self.pull_spec = "none"
         self.counters = Counter()
         self.staleness = Counter()
         self._barriers: dict[str, dict] = {}
@@ -69,7 +94,7 @@ class Shard:
 
     # ---- membership -------------------------------------------------------------------------
     def register(self, worker: int, world_size: int, num_shards: int, sync: str, opt: OptimizerConfig,
-                 keys: list[Key], digest: str, codec: str) -> bool:
+                 keys: list[Key], digest: str, codec: str, pull_codec: str = "auto") -> bool:
         if num_shards != self.num_shards:
             raise ShardError("FAILED_PRECONDITION",
                              f"worker {worker} expects {num_shards} shards, this server is one of {self.num_shards}")
@@ -78,6 +103,7 @@ class Shard:
         try:
             mode = parse_sync(sync)
             opt.validate()
+            pull_spec = resolve_pull_codec(pull_codec, codec)
         except ValueError as e:
             raise ShardError("INVALID_ARGUMENT", str(e)) from None
         for k in keys:
@@ -85,18 +111,118 @@ class Shard:
                 raise ShardError("INVALID_ARGUMENT", f"key {k.key} belongs to shard {k.shard}, not {self.shard_id}")
         with self.lock:
             if self.job is None:
-                self.job = Job(world_size, mode, opt, digest, codec)
+                self.job = Job(world_size, mode, opt, digest, codec, pull_codec or "auto")
                 self.codec = codec
+                self.pull_spec = pull_spec
                 self.keys = {k.key: KeyState(k, torch.zeros(k.numel, dtype=torch.float32)) for k in keys}
                 self.live = set(range(world_size))
+                now = time.monotonic()
+                self.last_seen = {w: now for w in self.live}   # not-yet-started workers get a full timeout
             else:
-                self._check_same_job(worker, world_size, mode, opt, digest)
+                self._check_same_job(worker, world_size, mode, opt, digest, pull_codec)
+                self._admit(worker)
+            self.touch(worker)
             return all(ks.initialized for ks in self.keys.values())
 
-    def _check_same_job(self, worker, world_size, mode, opt, digest) -> None:
+    # ---- elastic membership ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _all_keys_locked(self):
+        """Stop the world: every key's lock, in sorted key order (callers hold self.lock first)."""
+        with contextlib.ExitStack() as stack:
+            for name in sorted(self.keys):
+                stack.enter_context(self.keys[name].cond)
+            yield
+
+    def _admit(self, worker: int) -> None:
+        """(Re)join `worker` at the current version (self.lock held). Its pushed count on each key becomes
+        at least the key's version, so it is never "behind" and its next step is worker_step()."""
+        with self._all_keys_locked():
+            for ks in self.keys.values():
+                ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
+            if worker not in self.live:
+                self.live.add(worker)
+                self.counters["rejoins"] += 1
+                log.warning("shard %d: worker %d (re)joined the job at step %d; live workers %s", self.shard_id,
+                            worker, self.worker_step(worker), sorted(self.live))
+
+    def worker_step(self, worker: int) -> int:
+        """The step this worker pushes next on this shard (min over keys); a (re)joining worker starts here."""
+        return min((ks.pushed.get(worker, 0) for ks in self.keys.values()), default=0)
+
+    def durable_step(self, worker: int) -> int:
+        """Steps of `worker` contained in the older of the two newest checkpoints (-1: no checkpointing).
+        Keeping pushes back to the older one lets a restart survive one corrupt newest checkpoint."""
+        if not self.checkpointing:
+            return -1
+        if not self.durable_hist:
+            return 0
+        return self.durable_hist[0].get(worker, 0)
+
+    def touch(self, worker: int) -> None:
+        if self.job is not None and 0 <= worker < self.job.world_size:
+            self.last_seen[worker] = time.monotonic()
+
+    def evict(self, worker: int, reason: str = "") -> bool:
+        """Remove `worker` from the live set: bsp steps waiting only on it complete with the workers who
+        pushed (mean over them), ssp/asp clocks stop waiting for it, barriers stop counting it."""
+        with self.lock:
+            if worker not in self.live:
+                return False
+            with self._all_keys_locked():
+                self.live.discard(worker)
+                for ks in self.keys.values():
+                    if not ks.initialized:
+                        continue
+                    if self.job.sync.kind == "bsp":
+                        self._maybe_complete_step(ks)
+                    elif self.live:
+                        version = min(ks.pushed.get(w, 0) for w in self.live)
+                        if version > ks.version:
+                            ks.version = version
+                            self._publish(ks)
+                    ks.cond.notify_all()
+            self.counters["evictions"] += 1
+        log.warning("shard %d: evicted worker %d (%s); live workers now %s", self.shard_id, worker, reason,
+                    sorted(self.live))
+        with self._barrier_cond:
+            for b in self._barriers.values():
+                if b["arrived"] and self.live <= b["arrived"]:
+                    b["gen"] += 1
+                    b["arrived"] = set()
+            self._barrier_cond.notify_all()
+        return True
+
+    def evict_silent(self) -> list[int]:
+        """Evict every live worker silent (no RPC, no waiting RPC) for longer than worker_timeout_s."""
+        if self.worker_timeout_s <= 0 or self.job is None:
+            return []
+        now = time.monotonic()
+        gone = [w for w in sorted(self.live) if now - self.last_seen.get(w, now) > self.worker_timeout_s]
+        return [w for w in gone
+                if self.evict(w, f"silent for {now - self.last_seen.get(w, now):.1f}s > --worker-timeout "
+                                 f"{self.worker_timeout_s:g}s")]
+
+    def start_reaper(self) -> None:
+        """Background thread running evict_silent() (no-op without a worker timeout)."""
+        if self.worker_timeout_s <= 0 or self._reaper is not None:
+            return
+        tick = max(0.05, min(0.5, self.worker_timeout_s / 5))
+
+        def loop():
+            while True:
+                time.sleep(tick)
+                try:
+                    self.evict_silent()
+                except Exception:  # noqa: BLE001 - the reaper must never die
+                    log.exception("eviction check failed")
+        self._reaper = threading.Thread(target=loop, name=f"shard{self.shard_id}-reaper", daemon=True)
+        self._reaper.start()
+
+    def _check_same_job(self, worker, world_size, mode, opt, digest, pull_codec="auto") -> None:
         job = self.job
         for what, mine, theirs in (("world size", job.world_size, world_size), ("sync mode", str(job.sync), str(mode)),
-                                   ("optimizer", job.optimizer, opt), ("key layout digest", job.digest, digest)):
+                                   ("optimizer", job.optimizer, opt), ("key layout digest", job.digest, digest),
+                                   ("pull codec", job.pull_codec, pull_codec or "auto")):
             if mine != theirs:
                 raise ShardError("FAILED_PRECONDITION",
                                  f"worker {worker} disagrees with the running job on {what}: job has {mine}, worker sent {theirs}")
@@ -123,6 +249,8 @@ class Shard:
                     continue
                 ks.value.copy_(v.view(-1).to(torch.float32))
                 ks.opt = KeyOptimizer(ks.value, job.optimizer)
+                if self.pull_spec != "none":
+                    ks.view = PullView(self.pull_spec, ks.value)
                 ks.initialized = True
                 done += 1
                 ks.cond.notify_all()
@@ -186,7 +314,10 @@ class Shard:
                 g.add_to(dense, 1.0 / len(self.live))
                 ks.opt.apply(dense)
                 self.counters["grads_applied"] += 1
-                ks.version = min(ks.pushed.get(w, 0) for w in self.live)
+                version = min(ks.pushed.get(w, 0) for w in self.live)
+                if version != ks.version:
+                    ks.version = version
+                    self._publish(ks)
                 ks.cond.notify_all()
             return False, ks.version
 
@@ -197,17 +328,27 @@ class Shard:
             ks.agg.zero_()
             ks.agg_from.clear()
             ks.version += 1
+            self._publish(ks)
             ks.cond.notify_all()
 
+    @staticmethod
+    def _publish(ks: KeyState) -> None:
+        if ks.view is not None:
+            ks.view.publish(ks.value, ks.version)
+
     # ---- pull ------------------------------------------------------------------------------
-    def pull(self, keys: list[str], min_version: int, timeout_s: float = 0.0):
+    def pull(self, keys: list[str], min_version: int, timeout_s: float = 0.0, have_versions=None):
+        """[(key, kind, tensor-or-payload, version)], server-side wait. Without have_versions every
+        value is the exact parameter (kind FULL); with them, see ps/pull_codec.py."""
         self._require_job()
+        if have_versions and len(have_versions) != len(keys):
+            raise ShardError("INVALID_ARGUMENT", "have_versions must have one entry per key")
         states = [self.key_state(k) for k in keys]
         timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
         t0 = time.monotonic()
         deadline = t0 + timeout
         out = []
-        for ks in states:
+        for i, ks in enumerate(states):
             with ks.cond:
                 while not (ks.initialized and ks.version >= min_version):
                     left = deadline - time.monotonic()
@@ -216,9 +357,21 @@ class Shard:
                                          f"key {ks.spec.key!r} still at version {ks.version} (want {min_version}, "
                                          f"initialized={ks.initialized}) after {timeout:.1f}s")
                     ks.cond.wait(left)
-                out.append((ks.spec.key, ks.value.clone(), ks.version))
+                out.append((ks.spec.key, *self._serve(ks, have_versions[i] if have_versions else None),
+                            ks.version))
         self.counters["pulls"] += 1
         return out, time.monotonic() - t0
+
+    @staticmethod
+    def _serve(ks: KeyState, have):
+        if have is None:
+            return FULL, ks.value.clone()
+        if ks.view is not None:
+            kind, obj = ks.view.serve(have, ks.version)
+            return kind, (obj.clone() if kind == FULL else obj)
+        if have == ks.version and have > ks.exact_since:
+            return UNCHANGED, None
+        return FULL, ks.value.clone()
 
     # ---- barrier ---------------------------------------------------------------------------
     def barrier(self, worker: int, name: str, timeout_s: float = 0.0) -> float:
@@ -243,9 +396,21 @@ class Shard:
 
     # ---- control ---------------------------------------------------------------------------
     def set_codec(self, spec: str) -> tuple[str, int]:
+        """Switch the job's codec; an 'auto' pull codec follows it (off when pushes go uncompressed)."""
         with self.lock:
+            pull_spec = resolve_pull_codec(self.job.pull_codec, spec) if self.job else "none"
             self.codec = spec
             self.codec_epoch += 1
+            if pull_spec != self.pull_spec:
+                for ks in self.keys.values():
+                    with ks.cond:
+                        if pull_spec == "none":
+                            ks.view, ks.exact_since = None, ks.version
+                        elif ks.view is None:
+                            ks.view = PullView(pull_spec, ks.value) if ks.initialized else None
+                        else:   # keep the shared view; only the delta codec changes
+                            ks.view.codec = PullView(pull_spec, ks.value[:0]).codec
+                self.pull_spec = pull_spec
             return self.codec, self.codec_epoch
 
     def stats(self) -> dict:

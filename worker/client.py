@@ -16,7 +16,8 @@ from protos import PROTOCOL_VERSION, pb, rpc
 from ps.optimizer import OptimizerConfig
 from ps.partition import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
 from ps.sync import parse_sync
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, chunk_from_tensor, grpc_options
+from ps.pull_codec import DELTA, FULL
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, chunk_from_tensor, decode_chunk, grpc_options
 
 
 class PSError(RuntimeError):
@@ -55,7 +56,7 @@ class PSClient:
     def __init__(self, servers: list[str], worker_id: int, world_size: int, *, sync: str = "bsp",
                  optimizer: OptimizerConfig | None = None, codec: str = "none", compressor=None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, pull_codec: str = "auto", security=None):
         if not servers:
             raise ValueError("at least one server address is needed")
         if chunk_bytes * 2 > max_message_bytes:
@@ -70,13 +71,18 @@ class PSClient:
         self.compressor = compressor or Compressor(codec)
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self.channels = [grpc.insecure_channel(s, options=grpc_options(max_message_bytes)) for s in self.servers]
+        # security: a ps.security.Security (token, TLS); None = token from $DELTAPS_TOKEN if set, plaintext
+        from ps.security import Security
+        self.security = security if security is not None else Security.from_env()
+        self.channels = [self.security.channel(s, grpc_options(max_message_bytes)) for s in self.servers]
         self.stubs = [rpc.ParameterServerStub(ch) for ch in self.channels]
         self.pool = ThreadPoolExecutor(max_workers=max(8, 4 * len(servers)), thread_name_prefix="ps-client")
         self.stats = CommStats()
         self.layout: list[Key] = []
         self.by_param: dict[str, list[Key]] = {}
         self.versions: dict[str, int] = {}
+        self.view_versions: dict[str, int] = {}   # version of the shared pull view held, per key
+        self.pull_codec = pull_codec
         self._seq = 0
         self._seq_lock = threading.Lock()
 
@@ -97,7 +103,8 @@ class PSClient:
                     for k in self.layout if k.shard == shard]
             req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
                                      world_size=self.world_size, num_shards=len(self.servers), sync=str(self.sync),
-                                     optimizer=opt_msg, keys=keys, layout_digest=digest, codec=self.codec)
+                                     optimizer=opt_msg, keys=keys, layout_digest=digest, codec=self.codec,
+                                     pull_codec=self.pull_codec)
             return self._with_retry(lambda: _call(self.stubs[shard].Register, req, 30.0))
 
         replies = list(self.pool.map(register, range(len(self.servers))))
@@ -187,32 +194,50 @@ class PSClient:
         return [self.pool.submit(self.push_keys, s, ks, grads, step) for s, ks in self._by_shard(grads).items()]
 
     # ---- pull ------------------------------------------------------------------------------
-    def pull_keys(self, shard: int, keys: list[Key], min_version: int, out: dict[str, torch.Tensor]) -> float:
-        """Blocking pull into out[param] (flat float32 buffers); returns the server-side wait."""
+    def pull_keys(self, shard: int, keys: list[Key], min_version: int, out: dict[str, torch.Tensor],
+                  delta: bool = False) -> float:
+        """Blocking pull into out[param] (flat float32 buffers); returns the server-side wait.
+
+        delta=True: `out` is this client's persistent copy of the shared view; the server sends only
+        compressed deltas (or nothing) for keys it already holds (see ps/pull_codec.py)."""
         waited = 0.0
         for batch in self._batches(keys):
+            have = [self.view_versions.get(k.key, -1) for k in batch] if delta else []
             req = pb.PullRequest(worker_id=self.worker_id, keys=[k.key for k in batch], min_version=min_version,
-                                 timeout_s=self.timeout_s)
+                                 timeout_s=self.timeout_s, have_versions=have)
             t0 = time.perf_counter()
             rep = _call(self.stubs[shard].Pull, req, self.timeout_s + 10)
             self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,
-                           bytes_pulled_wire=sum(len(c.data) for c in rep.values))
-            for k, c, v in zip(batch, rep.values, rep.versions):
-                if c.key != k.key or len(c.data) != k.numel * 4:
-                    raise PSError(None, f"server returned {c.key!r} ({len(c.data)} bytes) for {k.key!r}")
-                dst = out[k.param].view(-1)[k.offset:k.offset + k.numel].numpy()
-                np.copyto(dst, np.frombuffer(c.data, dtype=np.float32))
+                           bytes_pulled_wire=sum(len(c.data) + len(c.header) for c in rep.values))
+            kinds = list(rep.kinds) or [FULL] * len(rep.values)
+            if len(rep.values) != len(batch) or len(kinds) != len(batch):
+                raise PSError(None, f"shard {shard} answered {len(rep.values)} values for {len(batch)} keys")
+            for k, c, v, kind in zip(batch, rep.values, rep.versions, kinds):
+                if c.key != k.key:
+                    raise PSError(None, f"server returned {c.key!r} for {k.key!r}")
+                dst = out[k.param].view(-1)[k.offset:k.offset + k.numel]
+                if kind == FULL:
+                    if len(c.data) != k.numel * 4:
+                        raise PSError(None, f"server returned {len(c.data)} bytes for {k.key!r} ({k.numel} floats)")
+                    np.copyto(dst.numpy(), np.frombuffer(c.data, dtype=np.float32))
+                elif kind == DELTA:
+                    dst.add_(decode_chunk(c).view(-1))
                 self.versions[k.key] = v
+                if delta:
+                    self.view_versions[k.key] = v
             waited = max(waited, rep.waited_s)
             self._note_codec(rep.codec, rep.codec_epoch)
         return waited
 
-    def pull(self, names=None, min_version: int = 0, out: dict[str, torch.Tensor] | None = None):
-        """Pull parameters (all by default) once every key reaches min_version. Returns name -> tensor."""
+    def pull(self, names=None, min_version: int = 0, out: dict[str, torch.Tensor] | None = None,
+             delta: bool = False):
+        """Pull parameters (all by default) once every key reaches min_version. Returns name -> tensor.
+        Plain pulls get exact values; delta=True see pull_keys."""
         names = list(self.by_param) if names is None else list(names)
         if out is None:
             out = {n: torch.empty(sum(k.numel for k in self.by_param[n]), dtype=torch.float32) for n in names}
-        futs = [self.pool.submit(self.pull_keys, s, ks, min_version, out) for s, ks in self._by_shard(names).items()]
+        futs = [self.pool.submit(self.pull_keys, s, ks, min_version, out, delta)
+                for s, ks in self._by_shard(names).items()]
         for f in futs:
             f.result()
         return out

@@ -35,7 +35,8 @@ class DistributedOptimizer:
         self._staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named}
         self._pending: dict[str, list[Future]] = {}
         self._passes: dict[str, int] = {}
-        self._load(self.client.setup([(n, p.detach()) for n, p in self.named]))
+        self.client.setup([(n, p.detach()) for n, p in self.named])
+        self._load(self.client.pull(out=self._staging, delta=True))
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in self.named]
 
     # ---- hooks -----------------------------------------------------------------------------
@@ -57,7 +58,7 @@ class DistributedOptimizer:
 
     def _push_pull(self, shard, keys, grads, step, min_version) -> float:
         self.client.push_keys(shard, keys, grads, step)
-        return self.client.pull_keys(shard, keys, min_version, self._staging)
+        return self.client.pull_keys(shard, keys, min_version, self._staging, delta=True)
 
     # ---- torch.optim surface ---------------------------------------------------------------
     @torch.no_grad()

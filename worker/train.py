@@ -51,16 +51,18 @@ class LossGuard:
         return None
 
 
-def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, metrics=None) -> dict:
-    """metrics: optional worker.metrics.WorkerMetrics fed once per step."""
+def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, metrics=None,
+             security=None) -> dict:
+    """metrics: optional worker.metrics.WorkerMetrics fed once per step; security: ps.security.Security."""
     """Train for cfg.steps, then evaluate the servers' final parameters on the held-out split."""
     torch.set_num_threads(1)
     x_tr, y_tr, x_te, y_te = load_digits_split(cfg.seed)
     model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed)
     opt = DistributedOptimizer(local_optimizer(cfg, model.parameters()), model, servers=servers, rank=rank,
-                               world_size=world_size, sync=cfg.sync, codec=cfg.codec,
+                               world_size=world_size, sync=cfg.sync, codec=cfg.codec, pull_codec=cfg.pull_codec,
                                compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
-                               max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.timeout_s)
+                               max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.timeout_s,
+                               security=security)
     if metrics is not None:
         metrics.attach(opt)
     batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)

@@ -1,0 +1,54 @@
+"""Compressed pulls: the shard serves each new version as a compressed delta against a shared view.
+
+All workers of a job hold the same "view" of a key (the sum of the deltas they were sent). When the
+key's version advances, the shard compresses `value - view` once, adds its decoded form to the view and
+serves that one payload to every worker that holds the previous version; the error it leaves stays in
+`value - view` and is sent with later deltas (error feedback for free). A worker further behind, or a
+new one, gets the whole view. `exact` pulls (final evaluation, checkpoints) always get the true value.
+"""
+from __future__ import annotations
+
+import torch
+
+from compression import decode_payload, get_codec
+from compression.base import CodecError, parse_spec
+
+FULL, DELTA, UNCHANGED = 0, 1, 2
+_STATEFUL = ("dgc",)
+
+
+def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:
+    """'auto' compresses pulls with int8 whenever pushes are compressed, else sends exact values."""
+    spec = (pull_codec or "auto").strip()
+    if spec == "auto":
+        return "none" if parse_spec(push_codec)[0] == "none" else "int8"
+    name = parse_spec(spec)[0]
+    if name in _STATEFUL:
+        raise CodecError(f"pull codec {spec!r} is stateful per sender; use e.g. int8, fp16, topk")
+    get_codec(spec)
+    return spec
+
+
+class PullView:
+    """Shared view of one key plus the delta payload that produced its current version."""
+
+    __slots__ = ("codec", "view", "delta", "delta_version")
+
+    def __init__(self, spec: str, value: torch.Tensor):
+        self.codec = get_codec(spec)
+        self.view = value.clone()
+        self.delta = None          # Payload taking the view from delta_version - 1 to delta_version
+        self.delta_version = -1
+
+    def publish(self, value: torch.Tensor, version: int) -> None:
+        payload = self.codec.compress(value - self.view)
+        self.view.add_(decode_payload(payload).view(-1))
+        self.delta, self.delta_version = payload, version
+
+    def serve(self, have: int, version: int):
+        """(kind, tensor or payload) for a worker holding version `have` of this view."""
+        if have == version:
+            return UNCHANGED, None
+        if have == version - 1 and self.delta_version == version:
+            return DELTA, self.delta
+        return FULL, self.view
