@@ -23,7 +23,7 @@ class TrainConfig:
     codec: str = "none"              # gradient codec spec, e.g. int8, topk:ratio=0.01
     chunk_bytes: int = 4 << 20       # tensors are split into keys of at most this size
     max_message_bytes: int = 64 << 20
-    pull_codec: str = "auto"         # parameter deltas served by pulls: auto (int8 if codec != none), none, spec
+    pull_codec: str = "auto"         # parameter deltas served by pulls: auto (follows codec), none, spec
     min_compress_bytes: int = 1024   # smaller tensors go uncompressed (256 float32)
     compress_warmup_steps: int = 0   # send uncompressed for the first N steps
     fallback_factor: float = 3.0     # auto-rollback to codec none if smoothed loss > factor x its minimum (0 = off)
@@ -33,6 +33,8 @@ class TrainConfig:
     layers: int = 2
     seed: int = 0
     timeout_s: float = 120.0         # longest a push/pull/barrier may wait
+    reconnect_deadline_s: float = 60.0  # give up (PSError naming the shard) after a shard is unreachable this long
+    replay_steps: int = 256          # per-shard replay buffer bound, in steps (pushes not yet in a checkpoint)
     progress: bool = True            # tqdm bar (launch shows rank 0's)
     log_every: int = 0               # log loss every N steps (0 = never)
     extra: dict = field(default_factory=dict)
@@ -64,14 +66,17 @@ _HELP = {
     "codec": "gradient codec spec (none, fp16, int8, topk:ratio=0.01, ...)",
     "chunk_bytes": "split tensors into keys of at most this many bytes",
     "max_message_bytes": "gRPC max send/receive message size", "hidden": "MLP hidden width",
-    "pull_codec": "codec for parameter deltas sent back by pulls: auto (int8 when --codec is not none), none, or a spec",
+    "pull_codec": "codec for parameter deltas sent back by pulls: auto (follows --codec), none, or a spec",
     "min_compress_bytes": "tensors smaller than this go uncompressed",
     "compress_warmup_steps": "send uncompressed for the first N steps",
     "fallback_factor": "roll back to codec none when smoothed loss exceeds this factor of its minimum (0 = off)",
     "fallback_warmup_steps": "steps before the loss-rise fallback check starts",
     "fallback_loss_floor": "loss minimum used by the fallback check is at least this",
     "layers": "MLP hidden layers", "seed": "random seed (model init, data order)",
-    "timeout_s": "longest a push/pull/barrier may wait, seconds", "progress": "show a tqdm progress bar",
+    "timeout_s": "longest a push/pull/barrier may wait, seconds",
+    "reconnect_deadline_s": "fail with an error naming the shard after it was unreachable this long, seconds",
+    "replay_steps": "keep at most this many steps of not-yet-checkpointed pushes per shard for replay after a restart",
+    "progress": "show a tqdm progress bar",
     "log_every": "log the loss every N steps (0 = never)",
 }
 

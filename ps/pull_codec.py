@@ -17,11 +17,17 @@ FULL, DELTA, UNCHANGED = 0, 1, 2
 _STATEFUL = ("dgc",)
 
 
+# 'auto': pulls compressed about as hard as pushes, always with a deterministic codec (the shared view
+# gives error feedback): casts stay casts, quantizers -> int8, 1-bit and sparse codecs -> 1-bit sign.
+AUTO = {"none": "none", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "qsgd": "int8",
+        "sign": "sign", "topk": "sign", "randk": "sign", "dgc": "sign"}
+
+
 def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:
-    """'auto' compresses pulls with int8 whenever pushes are compressed, else sends exact values."""
+    """The pull codec in force for a given push codec ('auto' follows it, see AUTO)."""
     spec = (pull_codec or "auto").strip()
     if spec == "auto":
-        return "none" if parse_spec(push_codec)[0] == "none" else "int8"
+        return AUTO.get(parse_spec(push_codec)[0], "int8")
     name = parse_spec(spec)[0]
     if name in _STATEFUL:
         raise CodecError(f"pull codec {spec!r} is stateful per sender; use e.g. int8, fp16, topk")
