@@ -75,7 +75,7 @@ def test_rollback_to_none_makes_pulls_exact_again(cluster_factory):
 
 def test_pull_codec_resolution():
     assert resolve_pull_codec("auto", "none") == "none"
-    assert resolve_pull_codec("auto", "topk:ratio=0.01") == "sign"
+    assert resolve_pull_codec("auto", "topk:ratio=0.01") == "int8"
     assert resolve_pull_codec("auto", "int8") == "int8"
     assert resolve_pull_codec("auto", "qsgd:levels=16") == "int8"
     assert resolve_pull_codec("auto", "fp16") == "fp16"
