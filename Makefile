@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test bench proto clean prometheus
+.PHONY: setup demo test bench proto clean prometheus kubectl
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -27,7 +27,7 @@ $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
 demo: setup
 	$(BIN)/deltaps launch --config configs/demo.yaml --json demo-summary.json
 
-test: setup prometheus
+test: setup prometheus kubectl
 	$(BIN)/python -m pytest -q
 
 # Real Prometheus + promtool for tests/test_metrics*.py (Debian package). Never fails the build: without
@@ -39,6 +39,16 @@ prometheus:
 	      --no-install-recommends prometheus ) >/dev/null 2>&1 \
 	  && echo "make prometheus: installed $$(prometheus --version 2>&1 | head -1)" \
 	  || echo "make prometheus: could not install the prometheus package; the Prometheus tests will skip"; }
+
+# kubectl (with its built-in kustomize) for tests/test_deploy.py, Debian package; never fails the build: without
+# it the manifest-rendering tests skip and say why.
+kubectl:
+	@command -v kubectl >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo -n ); \
+	  ( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	      --no-install-recommends kubectl ) >/dev/null 2>&1 \
+	  && echo "make kubectl: installed $$(kubectl version --client 2>&1 | head -1)" \
+	  || echo "make kubectl: could not install the kubectl package; the manifest tests will skip"; }
 
 bench: setup
 	$(BIN)/deltaps bench codecs --size 16MiB --json bench-codecs.json

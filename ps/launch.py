@@ -58,9 +58,14 @@ def _metrics_args(on: bool, host: str, port_file: str) -> list[str]:
 
 
 def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.1", quiet: bool = False,
-           metrics: bool = False) -> dict:
+           metrics: bool = False, security=None) -> dict:
     """metrics: start a Prometheus exporter in every server and (ps-mode) worker; the summary's
-    metrics_urls lists them (they live as long as the cluster does)."""
+    metrics_urls lists them (they live as long as the cluster does).
+    security: a ps.security.LaunchSecurity; its token reaches the children as $DELTAPS_TOKEN (never argv),
+    its TLS files as --tls-* flags."""
+    from ps.security import LaunchSecurity
+    security = security or LaunchSecurity()
+    child_env = security.child_env()
     t_launch = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="deltaps-launch-")
     cfg_path = os.path.join(tmp, "config.yaml")
@@ -76,8 +81,9 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                                                   "--num-shards", str(cfg.servers), "--port-file",
                                                   os.path.join(tmp, f"server{i}.port"),
                                                   *_metrics_args(metrics, host,
-                                                                 os.path.join(tmp, f"server{i}.metrics.port"))],
-                                            stdout=log, stderr=subprocess.STDOUT))
+                                                                 os.path.join(tmp, f"server{i}.metrics.port")),
+                                                  *security.server.argv("server")],
+                                            stdout=log, stderr=subprocess.STDOUT, env=child_env))
         addrs = [f"{host}:{_wait_port(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
         target = (["--servers", ",".join(addrs)] if cfg.mode == "ps"
                   else ["--master-addr", host, "--master-port", str(free_port(host))])
@@ -93,8 +99,9 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                 py + ["worker", *target, "--rank", str(r), "--world-size", str(cfg.workers),
                       "--config", cfg_path, "--result-json", os.path.join(tmp, f"worker{r}.json"),
                       "--progress" if show else "--no-progress",
-                      *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port"))],
-                stdout=out, stderr=None if show else subprocess.STDOUT))
+                      *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port")),
+                      *(security.client.argv("client") if cfg.mode == "ps" else [])],
+                stdout=out, stderr=None if show else subprocess.STDOUT, env=child_env))
         if metrics:
             metrics_urls = [f"http://{host}:{_wait_port(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
                             for i, p in enumerate(servers)]

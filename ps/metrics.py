@@ -80,6 +80,11 @@ class _ShardCollector:
                 ("deltaps_server_duplicate_pushes", "duplicates", "Per-key pushes ignored as retried duplicates"),
                 ("deltaps_server_grads_applied", "grads_applied", "Optimizer updates applied to keys"),
                 ("deltaps_server_sent_bytes", "bytes_sent", "Wire bytes of parameter values sent in pull responses"),
+                ("deltaps_server_evictions", "evictions", "Workers evicted from the live set for silence (--worker-timeout)"),
+                ("deltaps_server_rejoins", "rejoins", "Workers that (re)joined a running job"),
+                ("deltaps_server_nonfinite_skipped", "nonfinite_skipped",
+                 "Per-key NaN/Inf gradients acknowledged but not applied (--nonfinite skip)"),
+                ("deltaps_server_checkpoints", "checkpoints", "Checkpoints written by this server process"),
         ):
             m = CounterMetricFamily(name, doc, labels=["shard"])
             m.add_metric([sid], float(c.get(key, 0)))

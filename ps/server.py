@@ -49,7 +49,16 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         log.info("worker %d registered (world %d, sync %s, %d keys)", req.worker_id, req.world_size, req.sync,
                  len(keys))
         return pb.RegisterResponse(shard_id=self.shard.shard_id, initialized=initialized,
-                                   codec=self.shard.codec, codec_epoch=self.shard.codec_epoch)
+                                   codec=self.shard.codec, codec_epoch=self.shard.codec_epoch,
+                                   server_id=self.shard.server_id, step=self.shard.worker_step(req.worker_id),
+                                   durable_step=self.shard.durable_step(req.worker_id))
+
+    def _check_server_id(self, req) -> None:
+        """A request addressed to an earlier incarnation of this shard is refused (ABORTED) so the client
+        re-registers and replays what the restart lost before anything else is applied."""
+        if req.server_id and req.server_id != self.shard.server_id:
+            raise ShardError("ABORTED", f"shard {self.shard.shard_id} restarted (server_id {self.shard.server_id}, "
+                                        f"request for {req.server_id}); Register again and replay")
 
     @_guard
     def Init(self, req, context):
@@ -58,24 +67,29 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Push(self, req, context):
+        self._check_server_id(req)
         grads = [(c.key, unpack_chunk(c)) for c in req.grads]
         self.shard.counters["bytes_received"] += sum(chunk_nbytes(c) for c in req.grads)
         dup, versions = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions))
-        return pb.PushResponse(duplicate=dup, versions=versions)
+        return pb.PushResponse(duplicate=dup, versions=versions, server_id=self.shard.server_id,
+                               durable_step=self.shard.durable_step(req.worker_id))
 
     @_guard
     def Pull(self, req, context):
+        self._check_server_id(req)
         items, waited = self.shard.pull(list(req.keys), req.min_version, req.timeout_s,
-                                        list(req.have_versions) or None)
+                                        list(req.have_versions) or None, worker=req.worker_id,
+                                        alive=context.is_active)
         values = [_pull_chunk(k, kind, obj) for k, kind, obj, _ in items]
         self.shard.counters["bytes_sent"] += sum(chunk_nbytes(c) for c in values)
         return pb.PullResponse(values=values, versions=[v for *_, v in items], kinds=[i[1] for i in items],
-                               waited_s=waited,
+                               waited_s=waited, server_id=self.shard.server_id,
                                codec=self.shard.codec, codec_epoch=self.shard.codec_epoch)
 
     @_guard
     def Barrier(self, req, context):
-        return pb.BarrierResponse(waited_s=self.shard.barrier(req.worker_id, req.name, req.timeout_s))
+        return pb.BarrierResponse(waited_s=self.shard.barrier(req.worker_id, req.name, req.timeout_s,
+                                                              alive=context.is_active))
 
     @_guard
     def SetCodec(self, req, context):
@@ -137,12 +151,17 @@ def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
+    shard.start_reaper()     # evicts silent workers when the shard has a worker timeout
     return server, bound
 
 
-def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = None, **kw) -> None:
-    """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get a grace period)."""
+def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = None, checkpointer=None,
+                  **kw) -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get a grace period) and, with a
+    checkpointer (ps.durability.Checkpointer), write a final checkpoint."""
     server, bound = start_server(shard, host, port, **kw)
+    if checkpointer is not None:
+        checkpointer.start()
     log.info("shard %d/%d listening on %s:%d (%s)", shard.shard_id, shard.num_shards, host, bound,
              (kw.get("security") or Security()).describe("server"))
     print(f"deltaps server shard={shard.shard_id} listening on {host}:{bound}", flush=True)
@@ -160,3 +179,6 @@ def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = No
     if getattr(server, "deltaps_health", None) is not None:
         server.deltaps_health.enter_graceful_shutdown()
     server.stop(grace=5).wait()
+    if checkpointer is not None:
+        path = checkpointer.stop(final=True)
+        log.warning("shard %d: final checkpoint %s", shard.shard_id, path)

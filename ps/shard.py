@@ -268,7 +268,11 @@ class Shard:
              pulled_versions: list[int]) -> tuple[list[bool], list[int]]:
         job = self._require_job()
         if worker not in self.live:
-            raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not a live member of the job")
+            raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not a live member of the job "
+                                                    f"(evicted or never registered; Register to rejoin)")
+        if step < 0:
+            raise ShardError("INVALID_ARGUMENT", f"step must be >= 0, got {step}")
+        self.touch(worker)
         if pulled_versions and len(pulled_versions) != len(grads):
             raise ShardError("INVALID_ARGUMENT", "pulled_versions must have one entry per gradient")
         checked = []
@@ -282,7 +286,9 @@ class Shard:
             if not ks.initialized:
                 raise ShardError("FAILED_PRECONDITION", f"key {key!r} has no value yet; rank 0 must Init first")
             if not g.all_finite():
-                raise ShardError("INVALID_ARGUMENT", f"gradient for key {key!r} contains NaN or Inf")
+                if self.nonfinite != "skip":
+                    raise ShardError("INVALID_ARGUMENT", f"gradient for key {key!r} contains NaN or Inf")
+                g = None     # --nonfinite skip: acknowledged and counted as pushed, never applied
             expected = ks.pushed.get(worker, 0)
             if step > expected:
                 raise ShardError("FAILED_PRECONDITION",
@@ -298,28 +304,47 @@ class Shard:
 
     def _apply(self, job: Job, ks: KeyState, worker: int, step: int, g: Decoded, pulled: int):
         with ks.cond:
+            if job.sync.kind == "bsp":
+                self._wait_for_step(ks, worker, step)
             if step < ks.pushed.get(worker, 0):
                 self.counters["duplicates"] += 1
                 return True, ks.version
             self.staleness[max(0, ks.version - pulled)] += 1
             ks.pushed[worker] = step + 1
+            if g is None:
+                self.counters["nonfinite_skipped"] += 1
             if job.sync.kind == "bsp":
                 if ks.agg is None:
                     ks.agg = torch.zeros_like(ks.value)
-                g.add_to(ks.agg)
-                ks.agg_from.add(worker)
+                if g is not None:
+                    g.add_to(ks.agg)
+                ks.agg_from.add(worker)      # a skipped gradient counts as zero in this step's mean
                 self._maybe_complete_step(ks)
             else:
-                dense = torch.zeros_like(ks.value)
-                g.add_to(dense, 1.0 / len(self.live))
-                ks.opt.apply(dense)
-                self.counters["grads_applied"] += 1
-                version = min(ks.pushed.get(w, 0) for w in self.live)
+                if g is not None:
+                    dense = torch.zeros_like(ks.value)
+                    g.add_to(dense, 1.0 / max(1, len(self.live)))
+                    ks.opt.apply(dense)
+                    self.counters["grads_applied"] += 1
+                version = min((ks.pushed.get(w, 0) for w in self.live), default=ks.version)
                 if version != ks.version:
                     ks.version = version
                     self._publish(ks)
                 ks.cond.notify_all()
             return False, ks.version
+
+    def _wait_for_step(self, ks: KeyState, worker: int, step: int) -> None:
+        """bsp: a push of step s is aggregated only once the key finished step s-1 (ks.cond held). Normal
+        training never waits here (a worker pulls version s before pushing step s); a replay after a shard
+        restart does, so one worker's replayed step s+1 never mixes into step s's aggregation."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        while ks.version < step and ks.pushed.get(worker, 0) <= step:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ShardError("DEADLINE_EXCEEDED", f"key {ks.spec.key!r}: push of step {step} by worker {worker} "
+                                                      f"waited {self.wait_timeout_s:.1f}s for step {ks.version}")
+            ks.cond.wait(min(left, 0.5))
+            self.touch(worker)
 
     def _maybe_complete_step(self, ks: KeyState) -> None:
         if ks.agg_from and self.live <= ks.agg_from:
@@ -337,9 +362,13 @@ class Shard:
             ks.view.publish(ks.value, ks.version)
 
     # ---- pull ------------------------------------------------------------------------------
-    def pull(self, keys: list[str], min_version: int, timeout_s: float = 0.0, have_versions=None):
+    def pull(self, keys: list[str], min_version: int, timeout_s: float = 0.0, have_versions=None, *,
+             worker: int | None = None, alive=None):
         """[(key, kind, tensor-or-payload, version)], server-side wait. Without have_versions every
-        value is the exact parameter (kind FULL); with them, see ps/pull_codec.py."""
+        value is the exact parameter (kind FULL); with them, see ps/pull_codec.py.
+
+        worker/alive: while the pull waits, `worker` counts as alive (not evicted) as long as alive()
+        (the RPC context's is_active) is true; a caller that went away ends the wait with CANCELLED."""
         self._require_job()
         if have_versions and len(have_versions) != len(keys):
             raise ShardError("INVALID_ARGUMENT", "have_versions must have one entry per key")
@@ -356,7 +385,11 @@ class Shard:
                         raise ShardError("DEADLINE_EXCEEDED",
                                          f"key {ks.spec.key!r} still at version {ks.version} (want {min_version}, "
                                          f"initialized={ks.initialized}) after {timeout:.1f}s")
-                    ks.cond.wait(left)
+                    ks.cond.wait(min(left, 0.5))
+                    if alive is not None and not alive():
+                        raise ShardError("CANCELLED", "the pulling client went away")
+                    if worker is not None:
+                        self.touch(worker)
                 out.append((ks.spec.key, *self._serve(ks, have_versions[i] if have_versions else None),
                             ks.version))
         self.counters["pulls"] += 1
@@ -374,8 +407,9 @@ class Shard:
         return FULL, ks.value.clone()
 
     # ---- barrier ---------------------------------------------------------------------------
-    def barrier(self, worker: int, name: str, timeout_s: float = 0.0) -> float:
+    def barrier(self, worker: int, name: str, timeout_s: float = 0.0, alive=None) -> float:
         self._require_job()
+        self.touch(worker)
         timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
         t0 = time.monotonic()
         with self._barrier_cond:
@@ -391,7 +425,11 @@ class Shard:
                 if left <= 0:
                     b["arrived"].discard(worker)
                     raise ShardError("DEADLINE_EXCEEDED", f"barrier {name!r} timed out after {timeout:.1f}s")
-                self._barrier_cond.wait(left)
+                self._barrier_cond.wait(min(left, 0.5))
+                if alive is not None and not alive():
+                    b["arrived"].discard(worker)
+                    raise ShardError("CANCELLED", "the client waiting in the barrier went away")
+                self.touch(worker)
         return time.monotonic() - t0
 
     # ---- control ---------------------------------------------------------------------------
@@ -426,4 +464,7 @@ class Shard:
             "bytes_received": self.counters["bytes_received"], "bytes_sent": self.counters["bytes_sent"],
             "max_staleness": max(self.staleness, default=0), "staleness_counts": hist,
             "sync": str(self.job.sync) if self.job else "", "live_workers": sorted(self.live),
+            "server_id": self.server_id, "evictions": self.counters["evictions"],
+            "nonfinite_skipped": self.counters["nonfinite_skipped"], "checkpoints": self.counters["checkpoints"],
+            "checkpoint_version": self.checkpoint_version,
         }

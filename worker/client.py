@@ -18,6 +18,7 @@ from ps.partition import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
 from ps.sync import parse_sync
 from ps.pull_codec import DELTA, FULL
 from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, chunk_from_tensor, decode_chunk, grpc_options
+from worker.reliability import RECONNECT_OPTIONS, ShardSession
 
 
 class PSError(RuntimeError):
@@ -56,7 +57,8 @@ class PSClient:
     def __init__(self, servers: list[str], worker_id: int, world_size: int, *, sync: str = "bsp",
                  optimizer: OptimizerConfig | None = None, codec: str = "none", compressor=None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout_s: float = 300.0, pull_codec: str = "auto", security=None):
+                 timeout_s: float = 300.0, pull_codec: str = "auto", security=None,
+                 reconnect_deadline_s: float = 60.0, replay_steps: int = 256):
         if not servers:
             raise ValueError("at least one server address is needed")
         if chunk_bytes * 2 > max_message_bytes:
@@ -74,7 +76,8 @@ class PSClient:
         # security: a ps.security.Security (token, TLS); None = token from $DELTAPS_TOKEN if set, plaintext
         from ps.security import Security
         self.security = security if security is not None else Security.from_env()
-        self.channels = [self.security.channel(s, grpc_options(max_message_bytes)) for s in self.servers]
+        self.channels = [self.security.channel(s, grpc_options(max_message_bytes) + RECONNECT_OPTIONS)
+                         for s in self.servers]
         self.stubs = [rpc.ParameterServerStub(ch) for ch in self.channels]
         self.pool = ThreadPoolExecutor(max_workers=max(8, 4 * len(servers)), thread_name_prefix="ps-client")
         self.stats = CommStats()
@@ -85,6 +88,14 @@ class PSClient:
         self.pull_codec = pull_codec
         self._seq = 0
         self._seq_lock = threading.Lock()
+        # failure handling (worker/reliability.py): reconnect deadline, per-shard replay buffers
+        self.reconnect_deadline_s = reconnect_deadline_s
+        if replay_steps < 1:
+            raise ValueError(f"replay_steps must be >= 1, got {replay_steps}")
+        self.replay_steps = replay_steps
+        self.closed = threading.Event()
+        self.sessions = [ShardSession(self, i) for i in range(len(self.servers))]
+        self.start_step = 0        # min over shards of RegisterResponse.step: where a (re)joining worker starts
 
     # ---- setup -----------------------------------------------------------------------------
     def setup(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -105,11 +116,12 @@ class PSClient:
                                      world_size=self.world_size, num_shards=len(self.servers), sync=str(self.sync),
                                      optimizer=opt_msg, keys=keys, layout_digest=digest, codec=self.codec,
                                      pull_codec=self.pull_codec)
-            return self._with_retry(lambda: _call(self.stubs[shard].Register, req, 30.0))
+            return self.sessions[shard].register(req)
 
         replies = list(self.pool.map(register, range(len(self.servers))))
         if replies:
             self._note_codec(replies[0].codec, replies[0].codec_epoch)
+            self.start_step = min(rep.step for rep in replies)
         if self.worker_id == 0:
             values = dict(named)
             for shard, rep in enumerate(replies):
@@ -130,7 +142,8 @@ class PSClient:
     def _init_shard(self, shard: int, values: dict[str, torch.Tensor]) -> None:
         for batch in self._batches([k for k in self.layout if k.shard == shard]):
             chunks = [chunk_from_tensor(k.key, self._slice(values[k.param], k)) for k in batch]
-            _call(self.stubs[shard].Init, pb.InitRequest(worker_id=self.worker_id, values=chunks), self.timeout_s)
+            req = pb.InitRequest(worker_id=self.worker_id, values=chunks)
+            self.sessions[shard].call("Init", lambda req=req: req, self.timeout_s)
 
     @staticmethod
     def _slice(t: torch.Tensor, k: Key) -> torch.Tensor:
@@ -182,7 +195,7 @@ class PSClient:
             req = pb.PushRequest(worker_id=self.worker_id, step=step, seq=self._next_seq(), grads=chunks,
                                  pulled_versions=[self.versions.get(k.key, 0) for k in batch])
             t0 = time.perf_counter()
-            _call(self.stubs[shard].Push, req, self.timeout_s)
+            self.sessions[shard].push(req, self.timeout_s)
             self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_raw=raw,
                            bytes_pushed_wire=sum(len(c.data) + len(c.header) for c in chunks))
 
@@ -202,11 +215,12 @@ class PSClient:
         compressed deltas (or nothing) for keys it already holds (see ps/pull_codec.py)."""
         waited = 0.0
         for batch in self._batches(keys):
-            have = [self.view_versions.get(k.key, -1) for k in batch] if delta else []
-            req = pb.PullRequest(worker_id=self.worker_id, keys=[k.key for k in batch], min_version=min_version,
-                                 timeout_s=self.timeout_s, have_versions=have)
+            def build(batch=batch):   # rebuilt per attempt: a restarted shard needs full values again
+                have = [self.view_versions.get(k.key, -1) for k in batch] if delta else []
+                return pb.PullRequest(worker_id=self.worker_id, keys=[k.key for k in batch], min_version=min_version,
+                                      timeout_s=self.timeout_s, have_versions=have)
             t0 = time.perf_counter()
-            rep = _call(self.stubs[shard].Pull, req, self.timeout_s + 10)
+            rep = self.sessions[shard].call("Pull", build, self.timeout_s + 10)
             self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,
                            bytes_pulled_wire=sum(len(c.data) + len(c.header) for c in rep.values))
             kinds = list(rep.kinds) or [FULL] * len(rep.values)
@@ -259,9 +273,8 @@ class PSClient:
     # ---- misc ------------------------------------------------------------------------------
     def barrier(self, name: str, timeout_s: float | None = None) -> float:
         t = timeout_s or self.timeout_s
-        futs = [self.pool.submit(_call, stub.Barrier, pb.BarrierRequest(worker_id=self.worker_id, name=name,
-                                                                         timeout_s=t), t + 10)
-                for stub in self.stubs]
+        req = pb.BarrierRequest(worker_id=self.worker_id, name=name, timeout_s=t)
+        futs = [self.pool.submit(sess.call, "Barrier", lambda: req, t + 10) for sess in self.sessions]
         return max(f.result().waited_s for f in futs)
 
     def server_stats(self) -> list[dict]:
@@ -272,7 +285,14 @@ class PSClient:
                         for f in msg.DESCRIPTOR.fields})
         return out
 
+    def _on_shard_restart(self, shard: int) -> None:
+        """A shard came back from a checkpoint: forget the pull views held for its keys (full values next)."""
+        for k in self.layout:
+            if k.shard == shard:
+                self.view_versions.pop(k.key, None)
+
     def close(self) -> None:
+        self.closed.set()
         self.pool.shutdown(wait=True)
         for ch in self.channels:
             ch.close()

@@ -36,6 +36,7 @@ class DistributedOptimizer:
         self._pending: dict[str, list[Future]] = {}
         self._passes: dict[str, int] = {}
         self.client.setup([(n, p.detach()) for n, p in self.named])
+        self.clock = self.client.start_step    # a worker (re)joining a running job starts at its current step
         self._load(self.client.pull(out=self._staging, delta=True))
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in self.named]
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 import time
 
 import torch
@@ -12,6 +14,7 @@ from tqdm import tqdm
 from ps.config import TrainConfig
 from worker.data import load_digits_split, worker_batches
 from worker.model import accuracy, make_mlp, param_count
+from worker.client import PSError
 from worker.optimizer import DistributedOptimizer
 
 log = logging.getLogger("deltaps.worker")
@@ -51,6 +54,22 @@ class LossGuard:
         return None
 
 
+class WorkerStopped(RuntimeError):
+    """The worker got SIGTERM and left the job cleanly (channels closed, no result)."""
+
+
+def _install_sigterm(opt) -> threading.Event:
+    """SIGTERM: finish the current step (or abort it if it is stuck reconnecting), then stop."""
+    stopping = threading.Event()
+
+    def handler(*_):
+        stopping.set()
+        opt.client.closed.set()     # stop reconnect/backoff loops
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+    return stopping
+
+
 def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, metrics=None,
              security=None) -> dict:
     """metrics: optional worker.metrics.WorkerMetrics fed once per step; security: ps.security.Security."""
@@ -62,13 +81,17 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
                                world_size=world_size, sync=cfg.sync, codec=cfg.codec, pull_codec=cfg.pull_codec,
                                compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
                                max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.timeout_s,
-                               security=security)
+                               security=security, reconnect_deadline_s=cfg.reconnect_deadline_s,
+                               replay_steps=cfg.replay_steps)
+    stopping = _install_sigterm(opt)
+    if opt.clock:
+        log.warning("worker %d joined a running job at step %d", rank, opt.clock)
     if metrics is not None:
         metrics.attach(opt)
     batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
     step_s, losses, wire_per_step, fallbacks = [], [], [], []
     guard = LossGuard(cfg.fallback_factor, cfg.fallback_warmup_steps, cfg.fallback_loss_floor)
-    bar = tqdm(range(cfg.steps), desc=f"worker {rank}", disable=not cfg.progress, unit="step", dynamic_ncols=True, mininterval=0.5)
+    bar = tqdm(range(opt.clock, cfg.steps), desc=f"worker {rank}", disable=not cfg.progress, unit="step", dynamic_ncols=True, mininterval=0.5)
     t_start = time.perf_counter()
     for step in bar:
         t0 = time.perf_counter()
@@ -85,7 +108,14 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
                 metrics.on_fallback(reason)
         if math.isfinite(loss.item()):
             loss.backward()
-        opt.step()      # a non-finite loss pushes zero gradients: the step is skipped, not poisoned
+        try:
+            opt.step()  # a non-finite loss pushes zero gradients: the step is skipped, not poisoned
+        except PSError:
+            if stopping.is_set():
+                break
+            raise
+        if stopping.is_set():
+            break
         step_s.append(time.perf_counter() - t0)
         losses.append(loss.item())
         if metrics is not None:
@@ -97,6 +127,10 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
             log.info("worker %d step %d loss %.4f", rank, step, losses[-1])
     wall = time.perf_counter() - t_start
     bar.close()
+    if stopping.is_set():   # SIGTERM: leave without the end-of-job barriers; the shards evict us
+        log.warning("worker %d: SIGTERM at step %d; closing channels and exiting", rank, opt.clock)
+        opt.close()
+        raise WorkerStopped(f"worker {rank} stopped by SIGTERM at step {opt.clock}")
     # Everyone has pushed everything: take the servers' final parameters and evaluate them.
     opt.client.barrier("train-done")
     final = opt.client.pull(min_version=0)

@@ -1,0 +1,201 @@
+"""Shard checkpoints: consistent snapshots of a Shard, restore, and the periodic/final checkpointer.
+
+A snapshot holds everything needed to resume exactly where the shard was: parameters, optimizer
+state, versions, the per-(key, worker) pushed table (idempotency), any in-progress bsp aggregation
+(agg + agg_from), the pull views, codec + codec_epoch, the live set and the counters. It is taken with
+the shard lock and every key lock held (sorted key order), so no push is half in it; tensors are
+cloned under the locks and serialised after releasing them. The file format (atomic, checksummed,
+newest valid one wins) is ps/checkpoint.py.
+
+Durability feeds exactly-once across a crash: after each checkpoint the shard knows, per worker, the
+step up to which that worker's pushes are in it (min over keys of pushed[worker]); PushResponse
+reports it (durable_step) so clients can drop older pushes from their replay buffers.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import asdict
+
+import torch
+
+from ps.checkpoint import load_latest, write_checkpoint
+from ps.optimizer import KeyOptimizer, OptimizerConfig
+from ps.partition import Key
+from ps.pull_codec import PullView
+from ps.shard import Job, KeyState, Shard
+from ps.sync import parse_sync
+
+log = logging.getLogger("deltaps.durability")
+FORMAT = 1
+
+
+def snapshot(shard: Shard) -> dict:
+    """A consistent, self-contained copy of the shard's state (plain types + tensors: weights_only safe)."""
+    with shard.lock, shard._all_keys_locked():
+        job = shard.job
+        keys = {}
+        for name, ks in shard.keys.items():
+            keys[name] = {
+                "spec": [ks.spec.key, ks.spec.param, ks.spec.offset, ks.spec.numel, ks.spec.dtype, ks.spec.shard],
+                "value": ks.value.clone(), "initialized": ks.initialized, "version": ks.version,
+                "pushed": dict(ks.pushed), "agg": None if ks.agg is None else ks.agg.clone(),
+                "agg_from": sorted(ks.agg_from),
+                "opt": copy.deepcopy(ks.opt.state_dict()) if ks.opt is not None else None,
+                "view": ks.view.view.clone() if ks.view is not None else None, "exact_since": ks.exact_since,
+            }
+        state = {
+            "format": FORMAT, "shard_id": shard.shard_id, "num_shards": shard.num_shards,
+            "job": None if job is None else {
+                "world_size": job.world_size, "sync": str(job.sync), "optimizer": asdict(job.optimizer),
+                "digest": job.digest, "codec": job.codec, "pull_codec": job.pull_codec},
+            "codec": shard.codec, "codec_epoch": shard.codec_epoch, "pull_spec": shard.pull_spec,
+            "live": sorted(shard.live), "keys": keys,
+            "counters": {k: int(v) for k, v in shard.counters.items()},
+            "staleness": {int(k): int(v) for k, v in shard.staleness.items()},
+            "saved_at": time.time(),
+        }
+    return state
+
+
+def durable_steps(state: dict) -> dict[int, int]:
+    """worker -> min over keys of its pushed steps in this snapshot (its pushes below that are durable)."""
+    job = state["job"]
+    if job is None or not state["keys"]:
+        return {}
+    return {w: min(k["pushed"].get(w, 0) for k in state["keys"].values()) for w in range(job["world_size"])}
+
+
+def min_version(state: dict) -> int:
+    return min((k["version"] for k in state["keys"].values()), default=0)
+
+
+def restore(shard: Shard, state: dict) -> None:
+    """Load a snapshot into a fresh shard (same shard id and count). The shard keeps its new server_id."""
+    if state.get("format") != FORMAT:
+        raise ValueError(f"checkpoint format {state.get('format')!r} not supported (want {FORMAT})")
+    if (state["shard_id"], state["num_shards"]) != (shard.shard_id, shard.num_shards):
+        raise ValueError(f"checkpoint is of shard {state['shard_id']}/{state['num_shards']}, "
+                         f"this server is {shard.shard_id}/{shard.num_shards}")
+    with shard.lock:
+        j = state["job"]
+        shard.job = None if j is None else Job(j["world_size"], parse_sync(j["sync"]), OptimizerConfig(**j["optimizer"]),
+                                             j["digest"], j["codec"], j.get("pull_codec", "auto"))
+        shard.codec, shard.codec_epoch = state["codec"], state["codec_epoch"]
+        shard.pull_spec = state.get("pull_spec", "none")
+        keys = {}
+        for name, k in state["keys"].items():
+            ks = KeyState(Key(*k["spec"]), k["value"].clone().to(torch.float32))
+            ks.initialized, ks.version = k["initialized"], k["version"]
+            ks.pushed = {int(w): int(n) for w, n in k["pushed"].items()}
+            ks.agg = None if k["agg"] is None else k["agg"].clone()
+            ks.agg_from = set(k["agg_from"])
+            if ks.initialized:
+                ks.opt = KeyOptimizer(ks.value, shard.job.optimizer)
+                if k["opt"] is not None:
+                    ks.opt.load_state_dict(k["opt"])
+            if k.get("view") is not None and shard.pull_spec != "none":
+                ks.view = PullView(shard.pull_spec, k["view"])
+            ks.exact_since = k.get("exact_since", -1)
+            keys[name] = ks
+        shard.keys = keys
+        shard.live = set(state["live"])
+        shard.counters.clear()
+        shard.counters.update(state["counters"])
+        shard.staleness.clear()
+        shard.staleness.update(state["staleness"])
+        now = time.monotonic()
+        shard.last_seen = {w: now for w in shard.live}   # give every live worker a full timeout to come back
+        shard.durable_hist.clear()
+        shard.durable_hist.append(durable_steps(state))
+        shard.checkpoint_version = min_version(state)
+
+
+def restore_latest(shard: Shard, directory: str) -> str | None:
+    """Restore the newest intact checkpoint of this shard from `directory`; corrupt/truncated newer ones
+    are skipped with an error log line. Returns the path used, or None when there is none."""
+    found = load_latest(directory, shard.shard_id)
+    if found is None:
+        log.warning("shard %d: no intact checkpoint in %s; starting empty", shard.shard_id, directory)
+        return None
+    state, path = found
+    restore(shard, state)
+    log.warning("shard %d: restored from %s (min key version %d, live workers %s)", shard.shard_id, path,
+                shard.checkpoint_version, sorted(shard.live))
+    return path
+
+
+class Checkpointer:
+    """Writes checkpoints every `every_steps` steps (by min key version) and/or every `every_s` seconds
+    (only when something changed), and once more at stop() (SIGTERM)."""
+
+    def __init__(self, shard: Shard, directory: str, every_steps: int = 0, every_s: float = 0.0, keep: int = 3):
+        if keep < 2:
+            raise ValueError("keep at least 2 checkpoints (a corrupt newest one falls back to the previous)")
+        self.shard, self.directory = shard, directory
+        self.every_steps, self.every_s, self.keep = every_steps, every_s, keep
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_version = shard.checkpoint_version
+        self._last_t = time.monotonic()
+        self._last_mark = None
+        shard.checkpointing = True
+
+    def _mark(self):
+        c = self.shard.counters
+        return (c["pushes"], c["grads_applied"], c["evictions"], c["rejoins"], self.shard.codec_epoch,
+                sum(ks.initialized for ks in self.shard.keys.values()), len(self.shard.live))
+
+    def checkpoint(self, reason: str = "manual") -> str | None:
+        """Take a snapshot and write it; returns the file path (None before any job exists)."""
+        with self._lock:
+            if self.shard.job is None:
+                return None
+            mark = self._mark()
+            state = snapshot(self.shard)
+            t0 = time.perf_counter()
+            path = write_checkpoint(self.directory, self.shard.shard_id, state, keep=self.keep)
+            self.shard.durable_hist.append(durable_steps(state))
+            self.shard.checkpoint_version = self._last_version = min_version(state)
+            self.shard.counters["checkpoints"] += 1
+            self._last_t, self._last_mark = time.monotonic(), mark
+            log.info("shard %d: checkpoint %s (%s, min version %d, %.0f ms)", self.shard.shard_id, path, reason,
+                     self._last_version, (time.perf_counter() - t0) * 1e3)
+            return path
+
+    def due(self) -> str | None:
+        """Why a checkpoint is due now, or None."""
+        sh = self.shard
+        if sh.job is None or not sh.keys:
+            return None
+        if self.every_steps > 0:
+            v = min(ks.version for ks in sh.keys.values())
+            if v >= max(self._last_version, 0) + self.every_steps:
+                return f"step {v}"
+        if self.every_s > 0 and time.monotonic() - self._last_t >= self.every_s and self._mark() != self._last_mark:
+            return f"{self.every_s:g}s elapsed"
+        return None
+
+    def start(self) -> None:
+        if self.every_steps <= 0 and self.every_s <= 0:
+            return
+
+        def loop():
+            while not self._stop.wait(0.02):
+                try:
+                    reason = self.due()
+                    if reason:
+                        self.checkpoint(reason)
+                except Exception:  # noqa: BLE001 - keep serving; the next tick retries
+                    log.exception("shard %d: checkpoint failed", self.shard.shard_id)
+        self._thread = threading.Thread(target=loop, name=f"shard{self.shard.shard_id}-ckpt", daemon=True)
+        self._thread.start()
+
+    def stop(self, final: bool = True) -> str | None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        return self.checkpoint("final (shutdown)") if final else None
