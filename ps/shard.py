@@ -2,8 +2,9 @@
 
 Versions are clocks: a key's version is the number of steps whose updates are fully in it. In bsp it
 goes up once per step (after all live workers pushed); in asp/ssp it is the minimum, over live workers,
-of pushes applied from that worker. Staleness of a push = key version at apply time - version the
-worker pulled, so under ssp:S it never exceeds S.
+of pushes applied from that worker. Staleness of a push = the pushing worker's clock (the version the
+key would be at if every worker kept pace) - the version its gradient was computed on: how many clocks
+of other workers' updates the gradient missed. 0 under bsp, at most S under ssp:S, unbounded under asp.
 """
 from __future__ import annotations
 
@@ -309,7 +310,7 @@ class Shard:
             if step < ks.pushed.get(worker, 0):
                 self.counters["duplicates"] += 1
                 return True, ks.version
-            self.staleness[max(0, ks.version - pulled)] += 1
+            self.staleness[max(0, step - pulled)] += 1
             ks.pushed[worker] = step + 1
             if g is None:
                 self.counters["nonfinite_skipped"] += 1
