@@ -49,7 +49,9 @@ def _check_token(token: str, source: str) -> str:
         raise ValueError(f"{source}: the token is empty")
     if any(not (0x21 <= ord(ch) <= 0x7E) for ch in token):   # gRPC metadata: visible ASCII, no spaces
         raise ValueError(f"{source}: the token must be printable ASCII without spaces")
-    if len(token) < 16:
+    if token.lower().startswith(("change-me", "changeme")):
+        log.warning("%s: the token is still the placeholder from the examples; set a random one", source)
+    elif len(token) < 16:
         log.warning("%s: the token is shorter than 16 characters; use e.g. `openssl rand -hex 32`", source)
     return token
 
