@@ -58,7 +58,11 @@ def parse_mode(spec: str) -> dict:
         return {"mode": "allreduce"}
     if head in ("ps", "ps-bsp", "ps-asp"):
         return {"mode": "ps", "sync": "asp" if head == "ps-asp" else "bsp", "codec": codec or "none"}
-    raise ValueError(f"unknown mode spec {spec!r}; use allreduce, ps:<codec> or ps-asp:<codec>")
+    if head == "hybrid":   # embeddings row-sparse on the PS, the rest allreduced (--workload ctr)
+        if codec:
+            raise ValueError(f"mode {spec!r}: hybrid takes no codec")
+        return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr"}
+    raise ValueError(f"unknown mode spec {spec!r}; use allreduce, ps:<codec>, ps-asp:<codec> or hybrid")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="per-RPC / collective timeout, seconds")
+    p.add_argument("--workload", default=None, choices=["mlp", "ctr"],
+                   help="mlp (digits MLP) or ctr (click-through model with a large embedding table); default ctr "
+                        "when --modes has hybrid, else mlp")
+    p.add_argument("--embedding-rows", type=int, default=1_000_000, help="ctr: embedding table rows")
+    p.add_argument("--embedding-dim", type=int, default=64, help="ctr: embedding width")
+    p.add_argument("--embedding-fields", type=int, default=8, help="ctr: categorical fields per sample")
+    p.add_argument("--embedding-optimizer", default="adagrad", help="ctr: table optimizer (sgd, adagrad, adam)")
+    p.add_argument("--embedding-lr", type=float, default=0.05, help="ctr: table learning rate")
+    p.add_argument("--zipf-a", type=float, default=1.1, help="ctr: Zipf exponent of the ids")
+    p.add_argument("--ps-params", default="embedding", help="hybrid: modules on the PS (embedding or patterns)")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespaces")
     p.add_argument("--netns-prefix", default=netns.PREFIX,
                    help="name prefix of the namespaces/links this run creates (and whose stale leftovers it removes)")
@@ -121,7 +135,7 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
     servers, workers = [], []
     t0 = time.perf_counter()
     try:
-        if cfg.mode == "ps":
+        if cfg.mode in ("ps", "hybrid"):
             for i in range(S):
                 log = open(os.path.join(d, f"server{i}.log"), "w")
                 servers.append(subprocess.Popen(
@@ -131,6 +145,9 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
                     stdout=log, stderr=subprocess.STDOUT))
             addrs = [f"{net.addr(i)}:{_wait_port(os.path.join(d, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
             target = ["--servers", ",".join(addrs)]
+            if cfg.mode == "hybrid":   # + the gloo rendezvous of the dense part
+                target += ["--master-addr", net.addr(worker_nodes[0]), "--master-port",
+                           str(29500 if net.topo else free_port())]
         else:
             port = 29500 if net.topo else free_port()
             target = ["--master-addr", net.addr(worker_nodes[0]), "--master-port", str(port)]
@@ -174,13 +191,22 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
         "final_codec": s["final_codec"], "codec_fallbacks": s["codec_fallbacks"],
         "model_params": s["model_params"],
     }
+    if cfg.workload == "ctr":   # click-through workload: AUC / log-loss on the held-out set, loss curve
+        r0 = results[0]
+        out.update({k: r0[k] for k in ("final_test_auc", "final_test_loss", "oracle_auc", "oracle_loss")})
+        out["losses_rank0"] = r0["losses"]
+        for k in ("sparse_bytes_pushed", "sparse_bytes_pulled", "dense_ring_bytes", "rows_pushed"):
+            if k in r0:
+                out[k + "_per_step"] = sum(r[k] for r in results) / W / cfg.steps
     if before:
         tx = sum(after[i][0] - before[i][0] for i in worker_nodes) / W
         rx = sum(after[i][1] - before[i][1] for i in worker_nodes) / W
         # measured on each worker's veth for the whole run (setup, final pull and TCP/IP overhead included)
         out["veth_tx_bytes_per_step"] = tx / cfg.steps
         out["veth_rx_bytes_per_step"] = rx / cfg.steps
-    if cfg.mode == "allreduce":
+    if cfg.mode in ("allreduce", "hybrid") and cfg.workload == "ctr":
+        out["timing_method"] = results[0].get("timing_method")
+    elif cfg.mode == "allreduce":
         out["timing_method"] = results[0].get("timing_method")
         out["params_max_diff_across_ranks"] = max(r.get("params_max_diff_across_ranks", 0.0) for r in results)
     else:
@@ -200,6 +226,8 @@ def _fmt_bytes(n: float) -> str:
 def format_table(report: dict) -> str:
     cols = ["mode", "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step",
             "test acc", "Δacc vs AR", "speed-up vs AR"]
+    if report.get("workload") == "ctr":
+        return format_table_ctr(report)
     rows = []
     for spec, m in report["modes"].items():
         if "error" in m:
@@ -219,13 +247,39 @@ def format_table(report: dict) -> str:
     return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
+def format_table_ctr(report: dict) -> str:
+    cols = ["mode", "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step",
+            "test AUC", "test logloss", "max |Δloss| vs AR", "speed-up vs AR"]
+    rows = []
+    for spec, m in report["modes"].items():
+        if "error" in m:
+            rows.append([spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (len(cols) - 2))
+            continue
+        sp, dl = m.get("speedup_vs_allreduce"), m.get("loss_curve_max_abs_diff_vs_allreduce")
+        rows.append([spec, f"{m['median_step_s'] * 1e3:.1f} ms", f"{m['samples_per_s']:.0f}",
+                     f"{m['compute_share']:.0%}/{m['comm_share']:.0%}/{m['wait_share']:.0%}",
+                     _fmt_bytes(m["bytes_per_step"]),
+                     _fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a",
+                     f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
+                     "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"])
+    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
 def header(report: dict) -> str:
     net = report["network"]
+    if report.get("workload") == "ctr":
+        e = report["embedding"]
+        model = (f"model: click-through, embedding {e['rows']:,} x {e['dim']} ({_fmt_bytes(e['rows'] * e['dim'] * 4)}, "
+                 f"{e['optimizer']} lr {e['lr']}), {e['fields']} Zipf({e['zipf_a']}) fields + 13 dense -> "
+                 f"MLP {report['hidden']}x{report['layers']}; {report['model_params']:,} params")
+    else:
+        model = (f"model: MLP 64-{report['hidden']}x{report['layers']}-10, {report['model_params']:,} params "
+                 f"({_fmt_bytes(report['model_params'] * 4)} of fp32 gradient per step)")
     lines = [f"deltaps bench compare: {report['workers']} workers, {report['servers']} PS shards, "
              f"{report['steps']} steps x batch {report['batch_size']}/worker, optimizer {report['optimizer']} "
-             f"lr {report['lr']}, seed {report['seed']}",
-             f"model: MLP 64-{report['hidden']}x{report['layers']}-10, {report['model_params']:,} params "
-             f"({_fmt_bytes(report['model_params'] * 4)} of fp32 gradient per step)",
+             f"lr {report['lr']}, seed {report['seed']}", model,
              f"network: {net['description']}"]
     if net.get("measured_link_gbit_s") is not None:
         lines.append(f"         measured one TCP stream worker->worker: {net['measured_link_gbit_s']:.3f} Gbit/s")
@@ -279,9 +333,14 @@ def compare(args) -> dict:
     if len(set(specs)) != len(specs):
         raise ValueError("duplicate mode specs")
     hidden = hidden_for_params(args.model_params, args.layers) if args.model_params else args.hidden
+    if args.workload is None:
+        args.workload = "ctr" if any(s.partition(":")[0] == "hybrid" for s in specs) else "mlp"
     base = {"workers": args.workers, "servers": args.servers, "steps": args.steps, "batch_size": args.batch_size,
             "hidden": hidden, "layers": args.layers, "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
-            "timeout_s": args.timeout, "progress": False,
+            "timeout_s": args.timeout, "progress": False, "workload": args.workload,
+            "embedding_rows": args.embedding_rows, "embedding_dim": args.embedding_dim,
+            "embedding_fields": args.embedding_fields, "embedding_optimizer": args.embedding_optimizer,
+            "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
             "fallback_factor": 0.0}
     for s in specs:   # fail fast on a bad spec, before any namespace exists
@@ -290,7 +349,13 @@ def compare(args) -> dict:
               "latency": args.latency, "shaped": False, "steps": args.steps, "batch_size": args.batch_size,
               "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "hidden": hidden, "layers": args.layers,
               "model_params": mlp_params(hidden, args.layers), "host_cpus": os.cpu_count(),
-              "network": {"notes": []}, "modes": {}}
+              "network": {"notes": []}, "modes": {}, "workload": args.workload}
+    if args.workload == "ctr":
+        dense = (args.embedding_fields * args.embedding_dim + 13) * hidden + hidden
+        dense += (args.layers - 1) * (hidden * hidden + hidden) + hidden + 1
+        report["model_params"] = args.embedding_rows * args.embedding_dim + dense
+        report["embedding"] = {"rows": args.embedding_rows, "dim": args.embedding_dim, "fields": args.embedding_fields,
+                               "optimizer": args.embedding_optimizer, "lr": args.embedding_lr, "zipf_a": args.zipf_a}
     ok, why = netns.shaping_available()
     topo = None
     if args.no_shaping or not ok:
@@ -346,6 +411,10 @@ def compare(args) -> dict:
             m["speedup_vs_allreduce"] = ar["median_step_s"] / m["median_step_s"] if m["median_step_s"] else math.nan
             m["speedup_wall_vs_allreduce"] = ar["wall_s"] / m["wall_s"] if m["wall_s"] else math.nan
             m["accuracy_delta_vs_allreduce"] = m["final_test_accuracy"] - ar["final_test_accuracy"]
+            if "losses_rank0" in m and "losses_rank0" in ar:   # same data, same seed: the curves should coincide
+                m["loss_curve_max_abs_diff_vs_allreduce"] = max(
+                    (abs(a - b) for a, b in zip(m["losses_rank0"], ar["losses_rank0"])), default=0.0)
+                m["auc_delta_vs_allreduce"] = m["final_test_auc"] - ar["final_test_auc"]
     else:
         report["network"]["notes"].append("no successful allreduce run in this invocation: no speed-ups computed")
     return report

@@ -86,6 +86,17 @@ def resolve_worker_env(args) -> None:
         args.world_size = _env_int("WORLD_SIZE")
 
 
+def _parse_bytes(value: str) -> int:
+    """'64MiB', '1.5GiB', '100MB', '4096' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", str(value), re.I)
+    if not m:
+        raise ValueError(f"bad byte size {value!r} (want e.g. 64MiB)")
+    unit = m.group(2).upper().rstrip("B")
+    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+            "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
 def cmd_server(args) -> int:
     from ps.server import serve_forever
     from ps.shard import Shard
@@ -96,6 +107,9 @@ def cmd_server(args) -> int:
     shard = Shard(args.shard_id, args.num_shards, wait_timeout_s=args.wait_timeout,
                   worker_timeout_s=args.worker_timeout, nonfinite=args.nonfinite)
     checkpointer = _durability(args, shard)
+    if args.embedding_memory_cap:   # row-sparse embedding tables (ps/embedding.py)
+        from ps.embedding import attach
+        attach(shard, _parse_bytes(args.embedding_memory_cap))
     metrics = None
     if args.metrics_port is not None:
         from ps.metrics import ServerMetrics, maybe_start_exporter
@@ -127,7 +141,11 @@ def cmd_worker(args) -> int:
 
     cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
     resolve_worker_env(args)
-    if cfg.mode == "allreduce":   # DDP baseline; flags absent -> torchrun's RANK/WORLD_SIZE/MASTER_*
+    if cfg.mode == "hybrid" or cfg.workload == "ctr":   # embedding workload / hybrid (worker/hybrid.py)
+        from ps.security import Security
+        from worker.hybrid import run_worker
+        result = run_worker(cfg, args, security=Security.from_args(args, "client"))
+    elif cfg.mode == "allreduce":   # DDP baseline; flags absent -> torchrun's RANK/WORLD_SIZE/MASTER_*
         from worker.allreduce import env_rendezvous, train_allreduce
         rank, world, addr, port = env_rendezvous(args.rank, args.world_size, args.master_addr, args.master_port)
         args.rank = rank
@@ -236,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "keeps checkpointing into DIR unless --checkpoint-dir is given")
     s.add_argument("--worker-timeout", type=float, default=60.0,
                    help="evict a worker silent (no RPC) for longer than this, seconds (0 = never; default 60)")
+    s.add_argument("--embedding-memory-cap", default=None, metavar="BYTES",
+                   help="cap on this shard's embedding rows + optimizer state, e.g. 64MiB (default unlimited); "
+                        "a pull that would exceed it fails with RESOURCE_EXHAUSTED")
     s.add_argument("--nonfinite", choices=["reject", "skip"], default="reject",
                    help="NaN/Inf gradients: reject (INVALID_ARGUMENT) or skip (acknowledged, not applied, counted)")
     add_metrics_args(s)
@@ -277,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     from ps.top import add_top_parser
     add_top_parser(sub)
 
+    from ps.advise import add_arguments as add_advise_args
+    add_advise_args(sub.add_parser("advise", help="predict step time and cost of each strategy at cluster scale "
+                                                  "from a measured profile (--calibrate makes one)"))
+
     b = sub.add_parser("bench", help="benchmarks: codecs, compare (allreduce vs PS on a shaped network)")
     b.add_argument("what", choices=["codecs", "compare"], help="which benchmark")
     return p
@@ -298,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_launch(args)
         if args.cmd == "ctl":
             return cmd_ctl(args)
+        if args.cmd == "advise":
+            from ps.advise import main_args
+            return main_args(args)
         if args.cmd == "top":
             from ps.top import cmd_top
             return cmd_top(args)

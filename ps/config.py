@@ -10,7 +10,7 @@ import yaml
 
 @dataclass
 class TrainConfig:
-    mode: str = "ps"                 # ps (parameter servers) | allreduce (DDP baseline)
+    mode: str = "ps"                 # ps (parameter servers) | allreduce (DDP baseline) | hybrid
     sync: str = "bsp"                # bsp | asp | ssp:S
     servers: int = 2                 # launch: number of PS shards
     workers: int = 2                 # launch: number of workers (= world size)
@@ -37,13 +37,31 @@ class TrainConfig:
     replay_steps: int = 256          # per-shard replay buffer bound, in steps (pushes not yet in a checkpoint)
     progress: bool = True            # tqdm bar (launch shows rank 0's)
     log_every: int = 0               # log loss every N steps (0 = never)
+    # ---- hybrid parallelism / embedding workload (worker/hybrid.py, README "Hybrid parallelism") ----
+    workload: str = "mlp"            # mlp (digits MLP) | ctr (synthetic click-through model, large embedding)
+    ps_params: str = "embedding"     # hybrid: modules on the PS (row-sparse): "embedding" or fnmatch patterns
+    embedding_rows: int = 1_000_000  # ctr: rows of the embedding table
+    embedding_dim: int = 64
+    embedding_fields: int = 8        # ctr: categorical fields per sample (share the table)
+    embedding_optimizer: str = "adagrad"  # sgd | adagrad | adam (row-wise on the PS; dense torch in allreduce)
+    embedding_lr: float = 0.05
+    zipf_a: float = 1.1              # ctr: Zipf exponent of the id distribution
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         from ps.sync import parse_sync
         parse_sync(self.sync)
-        if self.mode not in ("ps", "allreduce"):
-            raise ValueError(f"unknown mode {self.mode!r}; use ps or allreduce")
+        if self.mode not in ("ps", "allreduce", "hybrid"):
+            raise ValueError(f"unknown mode {self.mode!r}; use ps, allreduce or hybrid")
+        if self.workload not in ("mlp", "ctr"):
+            raise ValueError(f"unknown workload {self.workload!r}; use mlp or ctr")
+        if self.mode == "hybrid" and self.workload != "ctr":
+            raise ValueError("--mode hybrid needs a model with embeddings: use --workload ctr")
+        if self.embedding_optimizer not in ("sgd", "adagrad", "adam"):
+            raise ValueError(f"unknown embedding optimizer {self.embedding_optimizer!r}; use sgd, adagrad or adam")
+        for name in ("embedding_rows", "embedding_dim", "embedding_fields"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
         for name in ("servers", "workers", "steps", "batch_size", "hidden", "layers", "chunk_bytes"):
@@ -78,6 +96,12 @@ _HELP = {
     "replay_steps": "keep at most this many steps of not-yet-checkpointed pushes per shard for replay after a restart",
     "progress": "show a tqdm progress bar",
     "log_every": "log the loss every N steps (0 = never)",
+    "workload": "model/data: mlp (digits MLP) or ctr (synthetic click-through model with a large embedding table)",
+    "ps_params": "hybrid mode: modules kept on the PS row-sparse: embedding (every nn.Embedding) or fnmatch patterns",
+    "embedding_rows": "ctr workload: embedding table rows", "embedding_dim": "ctr workload: embedding width",
+    "embedding_fields": "ctr workload: categorical fields per sample (sharing the table)",
+    "embedding_optimizer": "embedding table optimizer: sgd, adagrad or adam (row-wise lazy on the PS)",
+    "embedding_lr": "embedding table learning rate", "zipf_a": "ctr workload: Zipf exponent of the ids",
 }
 
 

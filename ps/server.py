@@ -103,6 +103,30 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     def Stats(self, req, context):
         return pb.StatsResponse(**self.shard.stats())
 
+    # ---- row-sparse embedding tables: bodies in ps/embedding.py ----
+    @_guard
+    def RegisterEmbedding(self, req, context):
+        from ps import embedding
+        if req.protocol_version != PROTOCOL_VERSION:
+            raise ShardError("FAILED_PRECONDITION", f"protocol version mismatch: worker speaks "
+                                                    f"{req.protocol_version}, server {PROTOCOL_VERSION}")
+        return embedding.handle_register(self.shard, req, pb)
+
+    @_guard
+    def SparsePull(self, req, context):
+        from ps import embedding
+        return embedding.handle_pull(self.shard, req, pb)
+
+    @_guard
+    def SparsePush(self, req, context):
+        from ps import embedding
+        return embedding.handle_push(self.shard, req, pb)
+
+    @_guard
+    def EmbeddingStats(self, req, context):
+        from ps import embedding
+        return embedding.handle_stats(self.shard, req, pb)
+
 
 def _pull_chunk(key: str, kind: int, obj) -> pb.TensorChunk:
     if kind == FULL:

@@ -278,3 +278,30 @@ def test_replay_buffer_bound_gives_data_loss_not_silence(tmp_path):
     assert e.value.code == grpc.StatusCode.DATA_LOSS and "replay_steps" in str(e.value)
     cl.close()
     srv.crash()
+
+
+def test_negative_step_stale_server_id_and_garbage_bytes(cluster_factory):
+    c = cluster_factory(1)
+    params = named(8)
+    with client(c.addrs, 0, 1) as cl:
+        cl.setup(params)
+        stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0]))
+        k = cl.layout[0]
+        chunk = pb.TensorChunk(key=k.key, dtype="float32", shape=[k.numel], codec="none",
+                               data=np.ones(k.numel, np.float32).tobytes())
+        before = c.shards[0].keys[k.key].value.clone()
+        for req, code, word in ((pb.PushRequest(worker_id=0, step=-1, grads=[chunk]), grpc.StatusCode.INVALID_ARGUMENT,
+                                 "step"),
+                                (pb.PushRequest(worker_id=0, step=0, grads=[chunk], server_id="0123"),
+                                 grpc.StatusCode.ABORTED, "restarted")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Push(req, timeout=5)
+            assert e.value.code() == code and word in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Pull(pb.PullRequest(keys=[k.key], server_id="0123"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.ABORTED
+        raw = grpc.insecure_channel(c.addrs[0]).unary_unary("/deltaps.ParameterServer/Push")
+        with pytest.raises(grpc.RpcError) as e:
+            raw(b"\xff\xff\xff\xff", timeout=5)
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        assert torch.equal(c.shards[0].keys[k.key].value, before) and c.shards[0].keys[k.key].version == 0

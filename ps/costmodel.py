@@ -1,0 +1,277 @@
+"""Alpha-beta cost model of one training step: ring allreduce vs the deltaps parameter server.
+
+Pure functions of a measured `Calibration` (ps/advise.py measures one: `deltaps advise --calibrate`)
+and a `Job` (model tensors, workers, shards, codecs). No constant here is tuned to a result; every
+speed comes from the calibration.
+
+Notation: G = gradient bytes per step (4 x parameters), W = workers, n = shards, B = achieved
+bandwidth of one link, one direction (bytes/s), alpha = per-message latency (s).
+
+Ring allreduce (DDP/gloo):
+    bytes each worker sends (and receives) = 2(W-1)/W x G
+    t_comm = 2(W-1)/W x G / B + 2(W-1) alpha + (W-1)/W x G / reduce_Bps          (reduce = the sums)
+    t_step = t_fwd_bwd + t_opt + max(0, t_comm - overlap)
+Parameter server (BSP, push chained to pull per key):
+    Pw = G / r_push, Pl = G / r_pull                       (wire bytes one worker pushes / pulls)
+    s_j = share of G on shard j (the real partition, ps/partition.py), k_j = its keys
+    link time = max( (Pw + Pl) / B,                         worker's own link
+                     max_j W s_j (Pw + Pl) / B )            shard fan-in (W pushes) + fan-out (W pulls)
+                + 2 alpha
+    shard j CPU = 2 W k_j rpc_s + W s_j (Pw + Pl) / grpc_Bps + W s_j G / dec_push
+                  + s_j G / apply_Bps + s_j G / comp_pull
+    worker CPU  = 2 K rpc_s + (Pw + Pl) / grpc_Bps + G / comp_push + G / dec_pull
+    t_comm = worker CPU + max_j shard j CPU + link time
+    t_step = t_fwd_bwd + max(0, t_comm - overlap)
+Overlap: gradients are handed to the network as backward produces them, so up to the backward time
+after the first tensor is ready can hide communication: overlap = t_bwd x (1 - g_last / G) where
+g_last is the last-produced tensor (PS: the first layer; DDP: the whole last bucket).
+
+CPU contention (only when the processes share one host, `Job.host_cores`, e.g. the 2-core box the
+validation runs on): a phase where m processes are busy on c cores runs max(1, m / c) times slower
+than measured alone (compute is instead measured directly with W concurrent processes), and the step
+can never be shorter than all processes' CPU work divided by the cores.
+
+Costs: train time = steps x t_step; GPU-hours = gpus x train time / 3600; cost = GPU-hours x price
+(+ egress bytes x price per GB when given).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ps.partition import build_layout, itemsize, shard_loads
+
+
+# ---- calibration & job ----------------------------------------------------------------------------------
+@dataclass
+class CodecSpeed:
+    compress_Bps: float           # raw bytes / s
+    decompress_Bps: float
+    ratio: float                  # raw / wire bytes
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CodecSpeed":
+        return cls(float(d["compress_Bps"]), float(d["decompress_Bps"]), float(d["ratio"]))
+
+
+IDENTITY = CodecSpeed(math.inf, math.inf, 1.0)
+
+
+@dataclass
+class Calibration:
+    bandwidth_Bps: float                       # achieved per link, per direction
+    alpha_s: float = 0.0                       # per-message one-way latency
+    rpc_s: float = 0.0                         # fixed cost of one gRPC call (client + server)
+    grpc_Bps: float = math.inf                 # per-byte cost of the gRPC path (serialise, copy)
+    fwd_bwd_s: dict = field(default_factory=dict)    # {concurrent processes: s per step}
+    bwd_fraction: float = 0.6                  # measured share of backward in fwd_bwd
+    optimizer_s: dict = field(default_factory=dict)  # {concurrent processes: local optimizer step s}
+    apply_Bps: float = math.inf                # server optimizer throughput (parameter bytes / s)
+    reduce_Bps: float = math.inf               # elementwise sum (allreduce reduction)
+    codecs: dict = field(default_factory=dict)       # spec -> CodecSpeed
+    cores: int | None = None                   # cores of the calibrating host
+    bandwidth_by_streams: dict = field(default_factory=dict)  # {concurrent streams: achieved B}
+
+    def compute(self, k: int, table: dict | None = None) -> float:
+        """Per-step time of a CPU phase with k processes doing it at once (measured; interpolated
+        linearly in k between measured points, extrapolated with max(1, k/cores) past them)."""
+        table = self.fwd_bwd_s if table is None else table
+        if not table:
+            return 0.0
+        pts = sorted((int(a), float(b)) for a, b in table.items())
+        if k <= pts[0][0]:
+            return pts[0][1]
+        for (k0, t0), (k1, t1) in zip(pts, pts[1:]):
+            if k0 <= k <= k1:
+                return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        kmax, tmax = pts[-1]
+        c = self.cores or kmax
+        return tmax * max(1.0, k / c) / max(1.0, kmax / c)
+
+    def bandwidth(self, streams: int = 1) -> float:
+        """Achieved per-link bandwidth with this many concurrent streams (measured where available)."""
+        if not self.bandwidth_by_streams:
+            return self.bandwidth_Bps
+        pts = sorted((int(a), float(b)) for a, b in self.bandwidth_by_streams.items())
+        best = pts[0][1]
+        for k, b in pts:
+            if k <= streams:
+                best = b
+        return best
+
+    def codec(self, spec: str) -> CodecSpeed:
+        spec = canonical(spec)
+        if spec == "none":
+            return self.codecs.get("none", IDENTITY) if False else IDENTITY
+        if spec not in self.codecs:
+            raise KeyError(f"codec {spec!r} was not calibrated (have: {', '.join(sorted(self.codecs))})")
+        c = self.codecs[spec]
+        return c if isinstance(c, CodecSpeed) else CodecSpeed.from_dict(c)
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_Bps": self.bandwidth_Bps, "alpha_s": self.alpha_s, "rpc_s": self.rpc_s,
+                "grpc_Bps": self.grpc_Bps, "fwd_bwd_s": {str(k): v for k, v in self.fwd_bwd_s.items()},
+                "bwd_fraction": self.bwd_fraction,
+                "optimizer_s": {str(k): v for k, v in self.optimizer_s.items()}, "apply_Bps": self.apply_Bps,
+                "reduce_Bps": self.reduce_Bps, "cores": self.cores,
+                "bandwidth_by_streams": {str(k): v for k, v in self.bandwidth_by_streams.items()},
+                "codecs": {k: (vars(v) if isinstance(v, CodecSpeed) else v) for k, v in self.codecs.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        return cls(bandwidth_Bps=float(d["bandwidth_Bps"]), alpha_s=float(d.get("alpha_s", 0.0)),
+                   rpc_s=float(d.get("rpc_s", 0.0)), grpc_Bps=float(d.get("grpc_Bps", math.inf)),
+                   fwd_bwd_s={int(k): float(v) for k, v in d.get("fwd_bwd_s", {}).items()},
+                   bwd_fraction=float(d.get("bwd_fraction", 0.6)),
+                   optimizer_s={int(k): float(v) for k, v in d.get("optimizer_s", {}).items()},
+                   apply_Bps=float(d.get("apply_Bps", math.inf)), reduce_Bps=float(d.get("reduce_Bps", math.inf)),
+                   cores=d.get("cores"),
+                   bandwidth_by_streams={int(k): float(v) for k, v in d.get("bandwidth_by_streams", {}).items()},
+                   codecs={k: CodecSpeed.from_dict(v) for k, v in d.get("codecs", {}).items()})
+
+
+@dataclass
+class Job:
+    tensors: list                 # [(name, numel)] in model order (backward produces them in reverse)
+    workers: int
+    shards: int = 2
+    chunk_bytes: int = 4 << 20
+    bucket_cap_bytes: int = 25 << 20
+    host_cores: int | None = None     # all processes share this many cores (None: one device each)
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 * sum(n for _, n in self.tensors)
+
+
+def canonical(spec: str) -> str:
+    return (spec or "none").strip()
+
+
+def pull_codec_for(push: str) -> str:
+    """`--pull-codec auto` (ps/pull_codec.py): exact for none, casts stay casts, else int8."""
+    name = canonical(push).split(":")[0]
+    return {"none": "none", "fp16": "fp16", "bf16": "bf16"}.get(name, "int8")
+
+
+def _stretch(busy: int, cores: int | None) -> float:
+    return 1.0 if not cores else max(1.0, busy / cores)
+
+
+# ---- the two formulas every test checks by hand -----------------------------------------------------------
+def ring_allreduce_bytes(grad_bytes: float, workers: int) -> float:
+    """Bytes each worker sends (and receives) in a ring allreduce: 2(p-1)/p x bytes."""
+    return 0.0 if workers <= 1 else 2.0 * (workers - 1) / workers * grad_bytes
+
+
+def ring_allreduce_time(grad_bytes: float, workers: int, bandwidth_Bps: float, alpha_s: float) -> float:
+    """2(p-1)/p x bytes / B + 2(p-1) alpha."""
+    if workers <= 1:
+        return 0.0
+    return ring_allreduce_bytes(grad_bytes, workers) / bandwidth_Bps + 2 * (workers - 1) * alpha_s
+
+
+def ps_link_bytes(grad_bytes: float, workers: int, shard_share: float, push_ratio: float = 1.0,
+                  pull_ratio: float = 1.0) -> dict:
+    """Bytes per step on a shard's link (fan-in of W pushes, fan-out of W pulls) and a worker's link."""
+    pw, pl = grad_bytes / push_ratio, grad_bytes / pull_ratio
+    return {"shard_in": workers * shard_share * pw, "shard_out": workers * shard_share * pl,
+            "worker_out": pw, "worker_in": pl}
+
+
+def training_cost(step_s: float, steps: int, gpus: int, gpu_hour_usd: float, egress_bytes: float = 0.0,
+                  egress_usd_per_gb: float = 0.0) -> dict:
+    hours = step_s * steps / 3600.0
+    gpu_hours = hours * gpus
+    egress = egress_bytes / 1e9 * egress_usd_per_gb
+    return {"train_hours": hours, "train_days": hours / 24, "gpu_hours": gpu_hours,
+            "compute_usd": gpu_hours * gpu_hour_usd, "egress_usd": egress, "cost_usd": gpu_hours * gpu_hour_usd + egress}
+
+
+# ---- predictions ------------------------------------------------------------------------------------------
+def predict_allreduce(cal: Calibration, job: Job) -> dict:
+    W, G = job.workers, job.grad_bytes
+    k = W if job.host_cores else 1
+    fb = cal.compute(k)
+    opt = cal.compute(k, cal.optimizer_s) if cal.optimizer_s else 0.0
+    B = cal.bandwidth(W if job.host_cores else 1)
+    net = ring_allreduce_time(G, W, B, cal.alpha_s)
+    reduce = (W - 1) / W * G / cal.reduce_Bps * _stretch(W, job.host_cores) if W > 1 else 0.0
+    comm = net + reduce
+    last_bucket = min(G, job.bucket_cap_bytes) if G else 0
+    overlap = fb * cal.bwd_fraction * (1 - last_bucket / G) if G else 0.0
+    exposed = max(0.0, comm - overlap)
+    step = fb + opt + exposed
+    if job.host_cores:   # everyone's CPU work on the shared cores
+        cpu = W * (cal.compute(1) + (cal.compute(1, cal.optimizer_s) if cal.optimizer_s else 0.0)
+                   + (W - 1) / W * G / cal.reduce_Bps)
+        step = max(step, cpu / job.host_cores + net)
+    return {"strategy": "allreduce", "step_s": step, "compute_s": fb + opt, "comm_s": step - fb - opt,
+            "network_s": net, "cpu_comm_s": reduce, "overlap_s": min(overlap, comm),
+            "bytes_sent_per_worker": ring_allreduce_bytes(G, W),
+            "bytes_hot_link": ring_allreduce_bytes(G, W)}
+
+
+def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = None) -> dict:
+    W, n, G = job.workers, job.shards, job.grad_bytes
+    push = cal.codec(codec)
+    pull = cal.codec(pull_codec or pull_codec_for(codec))
+    layout = build_layout([(name, numel, "float32") for name, numel in job.tensors], n, job.chunk_bytes)
+    loads = shard_loads(layout, n)
+    keys = [sum(1 for key in layout if key.shard == j) for j in range(n)]
+    K = len(layout)
+    share = [ld / G for ld in loads]
+    pw, pl = G / push.ratio, G / pull.ratio
+    B = cal.bandwidth(W if job.host_cores else 1)
+    worker_link = (pw + pl) / B
+    shard_link = max(W * s * (pw + pl) / B for s in share)
+    link = max(worker_link, shard_link) + 2 * cal.alpha_s
+    shard_cpu = [2 * W * kj * cal.rpc_s + W * s * (pw + pl) / cal.grpc_Bps + W * s * G / push.decompress_Bps
+                 + s * G / cal.apply_Bps + s * G / pull.compress_Bps for s, kj in zip(share, keys)]
+    worker_cpu = 2 * K * cal.rpc_s + (pw + pl) / cal.grpc_Bps + G / push.compress_Bps + G / pull.decompress_Bps
+    # contention on a shared host: the W workers' client work runs at once, then the n shards'
+    ws, ss = _stretch(W, job.host_cores), _stretch(n, job.host_cores)
+    comm = worker_cpu * ws + max(shard_cpu) * ss + link
+    k = W if job.host_cores else 1
+    fb = cal.compute(k)
+    g_last = 4 * job.tensors[0][1] if job.tensors else 0
+    overlap = fb * cal.bwd_fraction * (1 - g_last / G) if G else 0.0
+    exposed = max(0.0, comm - overlap)
+    step = fb + exposed
+    if job.host_cores:
+        cpu = W * (cal.compute(1) + worker_cpu) + sum(shard_cpu)
+        step = max(step, cpu / job.host_cores + link)
+    return {"strategy": f"ps:{canonical(codec)}", "codec": canonical(codec),
+            "pull_codec": pull_codec or pull_codec_for(codec), "step_s": step, "compute_s": fb,
+            "comm_s": step - fb, "network_s": link, "cpu_comm_s": worker_cpu * ws + max(shard_cpu) * ss,
+            "overlap_s": min(overlap, comm), "bytes_sent_per_worker": pw, "bytes_pulled_per_worker": pl,
+            "bytes_hot_link": max(W * s * max(pw, pl) for s in share), "shard_shares": share,
+            "push_ratio": push.ratio, "pull_ratio": pull.ratio}
+
+
+def predict(cal: Calibration, job: Job, strategy: str) -> dict:
+    """strategy: 'allreduce' or 'ps:<codec spec>' (ps:none, ps:int8, ps:topk:ratio=0.01, ...)."""
+    head, _, codec = strategy.partition(":")
+    if head == "allreduce":
+        return predict_allreduce(cal, job)
+    if head == "ps":
+        return predict_ps(cal, job, codec or "none")
+    raise ValueError(f"unknown strategy {strategy!r}; use allreduce or ps:<codec>")
+
+
+def mlp_tensors(hidden: int, layers: int, in_features: int = 64, classes: int = 10) -> list:
+    """(name, numel) of worker.model.make_mlp's parameters, in model order (as named by nn.Sequential)."""
+    out, width, idx = [], in_features, 0
+    for _ in range(layers):
+        out += [(f"{idx}.weight", width * hidden), (f"{idx}.bias", hidden)]
+        width, idx = hidden, idx + 2
+    out += [(f"{idx}.weight", width * classes), (f"{idx}.bias", classes)]
+    return out
+
+
+def layout_keys(tensors: list, shards: int, chunk_bytes: int = 4 << 20) -> int:
+    return len(build_layout([(n, k, "float32") for n, k in tensors], shards, chunk_bytes))
+
+
+__all__ = ["Calibration", "CodecSpeed", "Job", "predict", "predict_allreduce", "predict_ps", "ring_allreduce_bytes",
+           "ring_allreduce_time", "ps_link_bytes", "training_cost", "mlp_tensors", "pull_codec_for", "itemsize"]

@@ -1,0 +1,188 @@
+"""deltaps advise: the cost model against hand-computed cases, and the recommendation flipping where it should."""
+import json
+import math
+
+import pytest
+
+from ps import advise
+from ps import costmodel as cm
+
+
+# ---- hand-computed formulas ------------------------------------------------------------------------------
+def test_cost_of_the_brief_example():
+    # "10 days x 100 GPUs costs 100k; halving time saves 50k minus one engineer 10k"
+    price = 100_000 / (10 * 24 * 100)            # $/GPU-hour that makes 10 days x 100 GPUs = $100k
+    steps, step_s = 864_000, 1.0                 # 864k steps of 1 s = 10 days
+    c = cm.training_cost(step_s, steps, 100, price)
+    assert c["train_days"] == pytest.approx(10.0)
+    assert c["gpu_hours"] == pytest.approx(24_000)
+    assert c["cost_usd"] == pytest.approx(100_000)
+    half = cm.training_cost(step_s / 2, steps, 100, price)
+    assert c["cost_usd"] - half["cost_usd"] - 10_000 == pytest.approx(40_000)
+
+
+def test_egress_cost():
+    c = cm.training_cost(1.0, 3600, 1, 2.0, egress_bytes=5e9, egress_usd_per_gb=0.1)
+    assert c["compute_usd"] == pytest.approx(2.0) and c["egress_usd"] == pytest.approx(0.5)
+    assert c["cost_usd"] == pytest.approx(2.5)
+
+
+def test_ring_allreduce_volume_and_time():
+    G = 100e6
+    assert cm.ring_allreduce_bytes(G, 4) == pytest.approx(150e6)        # 2 * 3/4 * 100 MB
+    assert cm.ring_allreduce_bytes(G, 2) == pytest.approx(100e6)
+    assert cm.ring_allreduce_bytes(G, 1) == 0
+    assert cm.ring_allreduce_bytes(G, 256) == pytest.approx(2 * 255 / 256 * G)
+    # 150 MB over 1.25 GB/s (10 Gbit/s) = 0.12 s, plus 2 * 3 messages of 50 us
+    assert cm.ring_allreduce_time(G, 4, 1.25e9, 50e-6) == pytest.approx(0.12 + 6 * 50e-6)
+
+
+def test_ps_fan_in():
+    G = 80e6
+    b = cm.ps_link_bytes(G, workers=8, shard_share=0.5, push_ratio=4.0, pull_ratio=4.0)
+    assert b["shard_in"] == pytest.approx(8 * 0.5 * 20e6)                # W x its share x wire bytes
+    assert b["shard_out"] == pytest.approx(80e6)
+    assert b["worker_out"] == pytest.approx(20e6) and b["worker_in"] == pytest.approx(20e6)
+
+
+def _cal(**kw):
+    base = dict(bandwidth_Bps=1e9, alpha_s=0.0, rpc_s=0.0, grpc_Bps=math.inf, fwd_bwd_s={1: 0.0},
+                bwd_fraction=0.0, optimizer_s={}, codecs={"int8": cm.CodecSpeed(math.inf, math.inf, 4.0)})
+    base.update(kw)
+    return cm.Calibration(**base)
+
+
+def test_ps_step_is_the_hot_shard_link():
+    # two equal tensors on two shards, 4 workers: each shard receives 4 x 4 MB and sends 4 x 4 MB
+    job = cm.Job(tensors=[("a", 1 << 20), ("b", 1 << 20)], workers=4, shards=2)
+    G = job.grad_bytes
+    p = cm.predict_ps(_cal(), job, "none")
+    assert p["shard_shares"] == [0.5, 0.5]
+    assert p["step_s"] == pytest.approx(4 * 0.5 * (G + G) / 1e9)
+    # int8 pushes and (auto) int8 pulls: a quarter of it
+    q = cm.predict_ps(_cal(), job, "int8")
+    assert q["pull_codec"] == "int8"
+    assert q["step_s"] == pytest.approx(4 * 0.5 * (G / 4 + G / 4) / 1e9)
+    # one shard: the whole model fans in through one link
+    one = cm.predict_ps(_cal(), cm.Job(tensors=job.tensors, workers=4, shards=1), "none")
+    assert one["step_s"] == pytest.approx(4 * 2 * G / 1e9)
+
+
+def test_ps_cpu_terms_and_overlap():
+    job = cm.Job(tensors=[("a", 1 << 20)], workers=2, shards=1)
+    G = job.grad_bytes
+    cal = _cal(bandwidth_Bps=math.inf, rpc_s=1e-3, apply_Bps=G / 0.01,
+               codecs={"int8": cm.CodecSpeed(G / 0.002, G / 0.001, 4.0)})
+    p = cm.predict_ps(cal, job, "int8")
+    worker = 2 * 1 * 1e-3 + 0.002 + 0.001                 # push+pull RPC, compress, decode pull
+    shard = 2 * 2 * 1 * 1e-3 + 2 * 0.001 + 0.01 + 0.002    # W x (push+pull) RPCs, W decodes, apply, pull-compress
+    assert p["step_s"] == pytest.approx(worker + shard)
+    # backward hides communication of everything but the last-produced tensor
+    job2 = cm.Job(tensors=[("first", 1 << 18), ("rest", 3 << 18)], workers=2, shards=1)
+    cal2 = _cal(fwd_bwd_s={1: 0.1}, bwd_fraction=0.5)
+    p2 = cm.predict_ps(cal2, job2, "none")
+    comm = 2 * 2 * job2.grad_bytes / 1e9
+    assert p2["step_s"] == pytest.approx(0.1 + max(0.0, comm - 0.05 * 0.75))
+
+
+def test_allreduce_prediction_by_hand():
+    job = cm.Job(tensors=[("a", 1 << 20)], workers=4, shards=1)
+    G = job.grad_bytes
+    cal = _cal(alpha_s=1e-4, fwd_bwd_s={1: 0.02}, optimizer_s={1: 0.005}, reduce_Bps=G / 0.004)
+    p = cm.predict_allreduce(cal, job)
+    assert p["step_s"] == pytest.approx(0.02 + 0.005 + 1.5 * G / 1e9 + 6e-4 + 0.75 * 0.004)
+
+
+def test_contention_on_a_shared_host():
+    cal = _cal(fwd_bwd_s={1: 0.01, 2: 0.02}, cores=2)
+    assert cal.compute(1) == pytest.approx(0.01)
+    assert cal.compute(2) == pytest.approx(0.02)
+    assert cal.compute(4) == pytest.approx(0.04)        # past the measured points: x k/cores
+    # all CPU work of 4 workers on 2 cores bounds the step from below
+    job = cm.Job(tensors=[("a", 1 << 10)], workers=4, shards=1, host_cores=2)
+    p = cm.predict_allreduce(_cal(bandwidth_Bps=math.inf, fwd_bwd_s={1: 0.01}, cores=2), job)
+    assert p["step_s"] >= 4 * 0.01 / 2
+
+
+# ---- the recommendation ------------------------------------------------------------------------------------
+def _profile(hidden=1024, layers=2):
+    """A profile shaped like one `deltaps advise --calibrate` measured on a 2-core box."""
+    tensors = cm.mlp_tensors(hidden, layers)
+    G = 4 * sum(n for _, n in tensors)
+    return {"kind": "deltaps-advise-profile", "host_cores": 2,
+            "model": {"hidden": hidden, "layers": layers, "batch_size": 32, "tensors": tensors,
+                      "params": G // 4, "grad_bytes": G},
+            "compute": {"1": {"fwd_bwd_s": 0.004 * G / 4.5e6, "bwd_s": 0.0025 * G / 4.5e6,
+                              "optimizer_s": 0.002 * G / 4.5e6}},
+            "codecs": {"int8": {"compress_Bps": 1.5e9, "decompress_Bps": 3e9, "ratio": 3.98},
+                       "topk:ratio=0.01": {"compress_Bps": 0.4e9, "decompress_Bps": 5e9, "ratio": 50.0}},
+            "cpu": {"apply_Bps": 3e9, "reduce_Bps": 5e9},
+            "grpc": {"rpc_s": 4e-4, "grpc_Bps": 2e9},
+            "networks": {}, "accuracy_delta": {"ps:int8": 0.0028, "ps:topk:ratio=0.01": -0.089},
+            "measured_compression_ratio": {}}
+
+
+def test_slow_link_recommends_compression():
+    # a long job (5M steps): the savings pay for the engineer
+    rep = advise.advise(_profile(), [8, 64], "100mbit", advise.DEFAULT_STRATEGIES, 5_000_000, 2.5)
+    for row in rep["rows"]:
+        assert row["recommendation"] == "ps:int8", row["reasons"]
+        assert row["decision"] == "gradient quantization"
+        words = " ".join(row["reasons"])
+        assert "ps:int8 sends" in words and "saving $" in words
+        # topk is faster still, but -8.9 pp measured: refused, and said so
+        assert "accuracy risk is HIGH" in words
+        assert row["predictions"]["allreduce"]["comm_share"] > 0.3
+
+
+def test_fast_link_small_model_recommends_allreduce():
+    rep = advise.advise(_profile(hidden=256), [8], "100gbit", advise.DEFAULT_STRATEGIES, 100_000, 2.5)
+    row = rep["rows"][0]
+    assert row["recommendation"] == "allreduce", row["reasons"]
+    assert row["decision"] == "pure data parallel"
+    words = " ".join(row["reasons"])
+    assert "overhead" in words and ("exceeds its savings" in words or "costs more than the bytes it saves" in words)
+
+
+def test_small_savings_do_not_pay_the_engineer():
+    rep = advise.advise(_profile(), [8], "100mbit", advise.DEFAULT_STRATEGIES, 50, 2.5, engineer_usd=10_000)
+    row = rep["rows"][0]
+    assert row["recommendation"] == "allreduce"
+    assert "less than the $10,000 engineering cost" in " ".join(row["reasons"])
+
+
+def test_report_text_and_decision_table():
+    rep = advise.advise(_profile(), [8], "100mbit", advise.DEFAULT_STRATEGIES, 5_000_000, 2.5)
+    text = advise.format_report(rep)
+    for needle in ("pure data parallel", "gradient quantization", "sparsification", "hybrid parallel",
+                   "<- chosen", "RECOMMENDATION: ps:int8"):
+        assert needle in text
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    from ps.cli import main
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(_profile()))
+    out, png = tmp_path / "advice.json", tmp_path / "advice.png"
+    assert main(["advise", "--profile", str(prof), "--gpus", "8,64", "--bandwidth", "100mbit", "--steps", "1000",
+                 "--gpu-hour-usd", "2.5", "--egress-usd-per-gb", "0.01", "--json", str(out), "--plot", str(png)]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["gpus"] for r in rep["rows"]] == [8, 64]
+    assert png.stat().st_size > 1000
+    assert "RECOMMENDATION" in capsys.readouterr().out
+
+
+def test_bench_compare_report_is_a_profile():
+    bench = {"hidden": 1024, "layers": 2, "batch_size": 32, "model_params": 1126410, "workers": 2, "servers": 2,
+             "bandwidth": "1gbit", "host_cores": 2, "network": {"measured_link_gbit_s": 0.95},
+             "modes": {"allreduce": {"mode": "allreduce", "codec": "none", "compute_s_per_step": 0.01,
+                                     "accuracy_delta_vs_allreduce": 0.0},
+                       "ps:int8": {"mode": "ps", "codec": "int8", "compression_ratio": 3.9,
+                                   "accuracy_delta_vs_allreduce": 0.003}}}
+    prof = advise.merge_profiles([_profile(), bench])
+    assert prof["accuracy_delta"]["ps:int8"] == 0.003
+    assert prof["sources"] == ["calibration", "bench compare"]
+    cal = advise.calibration_for(prof, "1gbit")
+    assert cal.bandwidth_Bps == pytest.approx(0.95e9 / 8)
+    # an unprobed rate: nominal x the achieved/nominal ratio of the nearest probed one
+    assert advise.calibration_for(prof, "10gbit").bandwidth_Bps == pytest.approx(0.95 * 10e9 / 8)

@@ -1,0 +1,237 @@
+"""Row-sparse embeddings on the parameter servers, worker side.
+
+    client = EmbeddingClient(servers, rank, world_size, [TableSpec("emb", 1_000_000, 64, "adagrad", lr=0.05)])
+    emb = PSEmbedding("emb", client)            # drop-in for nn.Embedding(1_000_000, 64) in forward
+    for step, (ids, y) in enumerate(batches):
+        out = model(emb(ids))                    # pulls only the unique rows of `ids` (blocks for step's version)
+        loss.backward()                          # gradient lands in a small [n_unique, 64] local tensor
+        client.push_rows(step, emb.row_grads())  # pushes only those rows' gradients (one request per shard)
+
+The whole step never materialises the table: a worker holds unique-ids x dim floats. Rows live on shard
+id % num_shards (ps/embedding.py applies the row-wise optimizer there). `replace_embeddings(model, ...)`
+swaps the nn.Embedding modules a rule selects for PSEmbedding modules.
+"""
+from __future__ import annotations
+
+import fnmatch
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from protos import PROTOCOL_VERSION, pb, rpc
+from ps.embedding import TableSpec, ids_from_bytes, ids_to_bytes, rows_from_bytes, rows_to_bytes
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
+from worker.client import CommStats, _call
+
+
+class EmbeddingClient:
+    """Sparse pull/push of embedding rows across all shards, in parallel (one channel per shard)."""
+
+    def __init__(self, servers: list[str], worker_id: int, world_size: int, tables: list[TableSpec], *,
+                 sync: str = "bsp", timeout_s: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 chunk_bytes: int = 4 << 20, security=None):
+        if not servers:
+            raise ValueError("at least one server address is needed")
+        from ps.security import Security
+        self.security = security if security is not None else Security.from_env()
+        self.servers, self.worker_id, self.world_size = list(servers), worker_id, world_size
+        self.n = len(self.servers)
+        self.tables = {t.name: t for t in tables}
+        self.sync, self.timeout_s, self.chunk_bytes = sync, timeout_s, chunk_bytes
+        self.channels = [self.security.channel(s, grpc_options(max_message_bytes)) for s in self.servers]
+        self.stubs = [rpc.ParameterServerStub(ch) for ch in self.channels]
+        self.pool = ThreadPoolExecutor(max_workers=max(4, 2 * self.n), thread_name_prefix="emb-client")
+        self.stats = CommStats()
+        self.versions = [0] * self.n
+        self.memory_caps = [0] * self.n
+
+    def register(self, attempts: int = 120) -> int:
+        """Register the tables with every shard (waits for shards to come up); returns the min version."""
+        req = pb.RegisterEmbeddingRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
+                                          world_size=self.world_size, num_shards=self.n, sync=self.sync)
+        for t in self.tables.values():
+            t.to_proto(req.tables.add())
+
+        def one(shard):
+            for i in range(attempts):
+                try:
+                    return self.stubs[shard].RegisterEmbedding(req, timeout=self.timeout_s)
+                except Exception as e:  # noqa: BLE001 - grpc.RpcError; retry only UNAVAILABLE
+                    import grpc
+                    if not isinstance(e, grpc.RpcError) or e.code() != grpc.StatusCode.UNAVAILABLE or i == attempts - 1:
+                        return _call(self.stubs[shard].RegisterEmbedding, req, self.timeout_s)
+                    time.sleep(0.25)
+        reps = list(self.pool.map(one, range(self.n)))
+        for s, r in enumerate(reps):
+            self.versions[s], self.memory_caps[s] = r.version, r.memory_cap_bytes
+        return min(self.versions)
+
+    # ---- routing -------------------------------------------------------------------------
+    def _split(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per shard: (positions in ids, ids)."""
+        owner = ids % self.n
+        out = []
+        for s in range(self.n):
+            pos = (owner == s).nonzero().flatten()
+            out.append((pos, ids[pos]))
+        return out
+
+    def _rows_per_request(self, table: str) -> int:
+        return max(1, self.chunk_bytes // (self.tables[table].dim * 4))
+
+    # ---- pull ----------------------------------------------------------------------------
+    def pull_rows(self, ids_by_table: dict[str, torch.Tensor], min_version: int = 0) -> tuple[dict, float]:
+        """Values [len(ids), dim] per table for the given (unique) ids, from shards at >= min_version.
+        Returns (values, seconds the servers held the pull waiting for other workers)."""
+        per_shard = {s: [] for s in range(self.n)}       # shard -> [(table, positions, ids)]
+        out = {}
+        for name, ids in ids_by_table.items():
+            ids = ids.to(torch.int64).flatten()
+            out[name] = torch.empty(ids.numel(), self.tables[name].dim)
+            for s, (pos, sid) in enumerate(self._split(ids)):
+                per_shard[s].append((name, pos, sid))
+
+        def one(shard):
+            waited = 0.0
+            # requests of at most chunk_bytes of values each; always at least one (the BSP gate)
+            batches, cur, cur_rows = [], [], 0
+            for name, pos, sid in per_shard[shard]:
+                per = self._rows_per_request(name)
+                for lo in range(0, max(1, sid.numel()), per):
+                    part = (name, pos[lo:lo + per], sid[lo:lo + per])
+                    if cur and cur_rows + part[2].numel() > per:
+                        batches.append(cur)
+                        cur, cur_rows = [], 0
+                    cur.append(part)
+                    cur_rows += part[2].numel()
+            batches.append(cur)
+            for batch in batches:
+                req = pb.SparsePullRequest(worker_id=self.worker_id, min_version=min_version, timeout_s=self.timeout_s,
+                                           rows=[pb.EmbeddingRows(table=n, ids=ids_to_bytes(i)) for n, _, i in batch])
+                t0 = time.perf_counter()
+                rep = _call(self.stubs[shard].SparsePull, req, self.timeout_s + 30)
+                self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,
+                               bytes_pulled_wire=sum(len(r.values) for r in rep.rows),
+                               bytes_pull_req=sum(len(r.ids) for r in req.rows))
+                waited = max(waited, rep.waited_s)
+                self.versions[shard] = rep.version
+                for (name, pos, sid), r in zip(batch, rep.rows):
+                    out[name][pos] = rows_from_bytes(r.values, sid.numel(), self.tables[name].dim)
+            return waited
+        waited = max(self.pool.map(one, range(self.n)), default=0.0)
+        return out, waited
+
+    # ---- push ----------------------------------------------------------------------------
+    def push_rows_async(self, step: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        """Start pushing (ids, grad rows) per table for `step`: one request per shard, even an empty one
+        (rows a worker did not touch count as pushed with zero gradient). Returns the futures."""
+        per_shard = {s: [] for s in range(self.n)}
+        for name, (ids, g) in grads.items():
+            ids = ids.to(torch.int64).flatten()
+            g = g.detach().reshape(ids.numel(), self.tables[name].dim)
+            for s, (pos, sid) in enumerate(self._split(ids)):
+                if sid.numel():
+                    per_shard[s].append(pb.EmbeddingRows(table=name, ids=ids_to_bytes(sid),
+                                                         values=rows_to_bytes(g.index_select(0, pos))))
+
+        def one(shard):
+            req = pb.SparsePushRequest(worker_id=self.worker_id, step=step, grads=per_shard[shard])
+            t0 = time.perf_counter()
+            rep = _call(self.stubs[shard].SparsePush, req, self.timeout_s + 30)
+            wire = sum(len(r.ids) + len(r.values) for r in req.grads)
+            self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_wire=wire,
+                           bytes_pushed_raw=wire, rows_pushed=sum(len(r.ids) // 8 for r in req.grads))
+            return rep
+        return [self.pool.submit(one, s) for s in range(self.n)]
+
+    def push_rows(self, step: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for f in self.push_rows_async(step, grads):
+            f.result()
+
+    def server_stats(self) -> list[dict]:
+        import json
+        return [json.loads(_call(s.EmbeddingStats, pb.EmbeddingStatsRequest(), 30).json) for s in self.stubs]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        for ch in self.channels:
+            ch.close()
+
+
+class PSEmbedding(nn.Module):
+    """nn.Embedding whose table lives on the parameter servers. forward(ids) pulls the unique rows of ids
+    (at the module's `min_version`, the BSP gate: the trainer sets it to the step number) into a small
+    local leaf tensor; after backward, row_grads() gives {table: (unique ids, grad rows)} to push."""
+
+    def __init__(self, table: str, client: EmbeddingClient):
+        super().__init__()
+        self.table, self.client = table, client
+        spec = client.tables[table]
+        self.num_embeddings, self.embedding_dim = spec.num_rows, spec.dim
+        self.min_version = 0
+        self.waited_s = 0.0
+        self._ids = None
+        self._rows = None
+        self._prefetched = None
+
+    def prefetch(self, ids: torch.Tensor, min_version: int) -> None:
+        """Pull the rows of a batch ahead of forward (the trainer pulls all tables in one go)."""
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        vals, waited = self.client.pull_rows({self.table: uniq}, min_version)
+        self._prefetched = (ids, uniq, inv, vals[self.table])
+        self.waited_s += waited
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._prefetched is not None and self._prefetched[0] is ids:
+            _, uniq, inv, rows = self._prefetched
+        else:
+            uniq, inv = torch.unique(ids, return_inverse=True)
+            vals, waited = self.client.pull_rows({self.table: uniq}, self.min_version)
+            rows = vals[self.table]
+            self.waited_s += waited
+        self._prefetched = None
+        self._ids, self._rows = uniq, rows.requires_grad_(self.training)
+        return F.embedding(inv, self._rows)
+
+    def row_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if self._rows is None or self._rows.grad is None:
+            return {self.table: (torch.empty(0, dtype=torch.int64), torch.empty(0, self.embedding_dim))}
+        return {self.table: (self._ids, self._rows.grad)}
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r} (on the parameter servers)"
+
+
+def select_ps_modules(model: nn.Module, rule: str = "embedding") -> list[str]:
+    """Names of the modules whose parameters live on the PS in hybrid mode: rule `embedding` = every
+    nn.Embedding; otherwise comma-separated fnmatch patterns on module names (or their `.weight`
+    parameter names), which must select nn.Embedding modules."""
+    embs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    if rule.strip() in ("", "embedding", "embeddings"):
+        return list(embs)
+    pats = [p.strip() for p in rule.split(",") if p.strip()]
+    chosen = []
+    for n, m in model.named_modules():
+        if n and any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n + ".weight", p) for p in pats):
+            if n not in embs:
+                raise ValueError(f"--ps-params {rule!r} selects module {n!r} ({type(m).__name__}); only nn.Embedding "
+                                 f"modules can live on the PS row-sparse in hybrid mode")
+            chosen.append(n)
+    if not chosen:
+        raise ValueError(f"--ps-params {rule!r} selects no nn.Embedding module (have: {', '.join(embs) or 'none'})")
+    return chosen
+
+
+def replace_embeddings(model: nn.Module, names: list[str], client: EmbeddingClient) -> dict[str, PSEmbedding]:
+    """Swap the named nn.Embedding modules for PSEmbedding modules (table name = module name)."""
+    out = {}
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        ps_emb = PSEmbedding(name, client)
+        setattr(parent, attr, ps_emb)
+        out[name] = ps_emb
+    return out
