@@ -88,6 +88,25 @@ class Calibration:
         c = self.cores or kmax
         return tmax * max(1.0, k / c) / max(1.0, kmax / c)
 
+    def stretch(self, m: int) -> float:
+        """Measured slowdown of a CPU phase with m processes busy at once vs one alone (the compute
+        probe's t(m) / t(1)); max(1, m / cores) when only one point was measured."""
+        if 1 in self.fwd_bwd_s and len(self.fwd_bwd_s) > 1 and self.fwd_bwd_s[1] > 0:
+            return max(1.0, self.compute(m) / self.fwd_bwd_s[1])
+        return max(1.0, m / self.cores) if self.cores else 1.0
+
+    def effective_cores(self) -> float:
+        """Cores this job's processes actually get (other load included): k / stretch(k), largest k probed."""
+        k = max(self.fwd_bwd_s) if self.fwd_bwd_s else (self.cores or 1)
+        return max(1e-3, min(float(self.cores or k), k / self.stretch(k)))
+
+    def host_network_Bps(self, streams: int) -> float:
+        """Bytes/s all links of one host move together with this many concurrent streams (veth copies
+        cost CPU): streams x the per-stream rate measured with that many at once."""
+        if not self.bandwidth_by_streams:
+            return math.inf
+        return streams * self.bandwidth(streams)
+
     def bandwidth(self, streams: int = 1) -> float:
         """Achieved per-link bandwidth with this many concurrent streams (measured where available)."""
         if not self.bandwidth_by_streams:
@@ -189,27 +208,31 @@ def training_cost(step_s: float, steps: int, gpus: int, gpu_hour_usd: float, egr
 
 
 # ---- predictions ------------------------------------------------------------------------------------------
+def _network(cal: Calibration, job: Job, hot_link_bytes: float, total_link_bytes: float, flows: int) -> float:
+    """Transfer time of one step: the busiest link at the achieved single-link rate; on a shared host
+    also every link's bytes through the host's measured aggregate veth throughput."""
+    t = hot_link_bytes / cal.bandwidth(1)
+    if job.host_cores:
+        t = max(t, total_link_bytes / cal.host_network_Bps(flows))
+    return t
+
+
 def predict_allreduce(cal: Calibration, job: Job) -> dict:
     W, G = job.workers, job.grad_bytes
     k = W if job.host_cores else 1
     fb = cal.compute(k)
     opt = cal.compute(k, cal.optimizer_s) if cal.optimizer_s else 0.0
-    B = cal.bandwidth(W if job.host_cores else 1)
-    net = ring_allreduce_time(G, W, B, cal.alpha_s)
-    reduce = (W - 1) / W * G / cal.reduce_Bps * _stretch(W, job.host_cores) if W > 1 else 0.0
+    ring = ring_allreduce_bytes(G, W)
+    net = _network(cal, job, ring, W * ring, W) + (2 * (W - 1) * cal.alpha_s if W > 1 else 0.0)
+    reduce = (W - 1) / W * G / cal.reduce_Bps * (cal.stretch(W) if job.host_cores else 1.0) if W > 1 else 0.0
     comm = net + reduce
     last_bucket = min(G, job.bucket_cap_bytes) if G else 0
     overlap = fb * cal.bwd_fraction * (1 - last_bucket / G) if G else 0.0
     exposed = max(0.0, comm - overlap)
     step = fb + opt + exposed
-    if job.host_cores:   # everyone's CPU work on the shared cores
-        cpu = W * (cal.compute(1) + (cal.compute(1, cal.optimizer_s) if cal.optimizer_s else 0.0)
-                   + (W - 1) / W * G / cal.reduce_Bps)
-        step = max(step, cpu / job.host_cores + net)
     return {"strategy": "allreduce", "step_s": step, "compute_s": fb + opt, "comm_s": step - fb - opt,
             "network_s": net, "cpu_comm_s": reduce, "overlap_s": min(overlap, comm),
-            "bytes_sent_per_worker": ring_allreduce_bytes(G, W),
-            "bytes_hot_link": ring_allreduce_bytes(G, W)}
+            "bytes_sent_per_worker": ring, "bytes_hot_link": ring}
 
 
 def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = None) -> dict:
@@ -222,30 +245,36 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     K = len(layout)
     share = [ld / G for ld in loads]
     pw, pl = G / push.ratio, G / pull.ratio
-    B = cal.bandwidth(W if job.host_cores else 1)
-    worker_link = (pw + pl) / B
-    shard_link = max(W * s * (pw + pl) / B for s in share)
-    link = max(worker_link, shard_link) + 2 * cal.alpha_s
-    shard_cpu = [2 * W * kj * cal.rpc_s + W * s * (pw + pl) / cal.grpc_Bps + W * s * G / push.decompress_Bps
+    hot = max(max(W * s * pw, W * s * pl) for s in share)
+    # per key, the pull follows the push (BSP): a shard's fan-in then its fan-out, in sequence
+    shard_link = max(W * s * (pw + pl) for s in share)
+    link = _network(cal, job, max(shard_link, pw + pl), W * (pw + pl), W) + 2 * cal.alpha_s
+    # gRPC costs measured client + server together: half on each side
+    rpc, per_byte = cal.rpc_s / 2, 0.5 / cal.grpc_Bps
+    shard_cpu = [2 * W * kj * rpc + W * s * (pw + pl) * per_byte + W * s * G / push.decompress_Bps
                  + s * G / cal.apply_Bps + s * G / pull.compress_Bps for s, kj in zip(share, keys)]
-    worker_cpu = 2 * K * cal.rpc_s + (pw + pl) / cal.grpc_Bps + G / push.compress_Bps + G / pull.decompress_Bps
-    # contention on a shared host: the W workers' client work runs at once, then the n shards'
-    ws, ss = _stretch(W, job.host_cores), _stretch(n, job.host_cores)
-    comm = worker_cpu * ws + max(shard_cpu) * ss + link
+    worker_cpu = 2 * K * rpc + (pw + pl) * per_byte + G / push.compress_Bps + G / pull.decompress_Bps
+    ws = cal.stretch(W) if job.host_cores else 1.0
+    ss = cal.stretch(n) if job.host_cores else 1.0
+    scpu = max(shard_cpu) * ss
+    # a shard handles W messages: all but one worker's share of its CPU hides behind the others'
+    # transfers when the link is the bottleneck (and vice versa)
+    shard_phase = max(link, scpu) + min(link, scpu) / W
+    comm = worker_cpu * ws + shard_phase
     k = W if job.host_cores else 1
     fb = cal.compute(k)
     g_last = 4 * job.tensors[0][1] if job.tensors else 0
     overlap = fb * cal.bwd_fraction * (1 - g_last / G) if G else 0.0
     exposed = max(0.0, comm - overlap)
     step = fb + exposed
-    if job.host_cores:
+    if job.host_cores:   # all processes' CPU work through the cores they actually get
         cpu = W * (cal.compute(1) + worker_cpu) + sum(shard_cpu)
-        step = max(step, cpu / job.host_cores + link)
+        step = max(step, cpu / cal.effective_cores() + link)
     return {"strategy": f"ps:{canonical(codec)}", "codec": canonical(codec),
             "pull_codec": pull_codec or pull_codec_for(codec), "step_s": step, "compute_s": fb,
-            "comm_s": step - fb, "network_s": link, "cpu_comm_s": worker_cpu * ws + max(shard_cpu) * ss,
+            "comm_s": step - fb, "network_s": link, "cpu_comm_s": worker_cpu * ws + scpu,
             "overlap_s": min(overlap, comm), "bytes_sent_per_worker": pw, "bytes_pulled_per_worker": pl,
-            "bytes_hot_link": max(W * s * max(pw, pl) for s in share), "shard_shares": share,
+            "bytes_hot_link": hot, "shard_shares": share, "keys": K,
             "push_ratio": push.ratio, "pull_ratio": pull.ratio}
 
 

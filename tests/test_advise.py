@@ -74,8 +74,9 @@ def test_ps_cpu_terms_and_overlap():
     cal = _cal(bandwidth_Bps=math.inf, rpc_s=1e-3, apply_Bps=G / 0.01,
                codecs={"int8": cm.CodecSpeed(G / 0.002, G / 0.001, 4.0)})
     p = cm.predict_ps(cal, job, "int8")
-    worker = 2 * 1 * 1e-3 + 0.002 + 0.001                 # push+pull RPC, compress, decode pull
-    shard = 2 * 2 * 1 * 1e-3 + 2 * 0.001 + 0.01 + 0.002    # W x (push+pull) RPCs, W decodes, apply, pull-compress
+    # rpc_s is one call measured end to end (client + server): half of it on each side
+    worker = 2 * 1 * 0.5e-3 + 0.002 + 0.001               # push+pull RPC, compress, decode pull
+    shard = 2 * 2 * 1 * 0.5e-3 + 2 * 0.001 + 0.01 + 0.002  # W x (push+pull) RPCs, W decodes, apply, pull-compress
     assert p["step_s"] == pytest.approx(worker + shard)
     # backward hides communication of everything but the last-produced tensor
     job2 = cm.Job(tensors=[("first", 1 << 18), ("rest", 3 << 18)], workers=2, shards=1)
