@@ -37,6 +37,7 @@ class TrainConfig:
     replay_steps: int = 256          # per-shard replay buffer bound, in steps (pushes not yet in a checkpoint)
     progress: bool = True            # tqdm bar (launch shows rank 0's)
     log_every: int = 0               # log loss every N steps (0 = never)
+    save_model: str = ""             # rank 0 writes the final model's state_dict here (torch.save)
     # ---- hybrid parallelism / embedding workload (worker/hybrid.py, README "Hybrid parallelism") ----
     workload: str = "mlp"            # mlp (digits MLP) | ctr (synthetic click-through model, large embedding)
     ps_params: str = "embedding"     # hybrid: modules on the PS (row-sparse): "embedding" or fnmatch patterns
@@ -96,6 +97,7 @@ _HELP = {
     "replay_steps": "keep at most this many steps of not-yet-checkpointed pushes per shard for replay after a restart",
     "progress": "show a tqdm progress bar",
     "log_every": "log the loss every N steps (0 = never)",
+    "save_model": "rank 0 saves the final model state_dict to this path (torch.save)",
     "workload": "model/data: mlp (digits MLP) or ctr (synthetic click-through model with a large embedding table)",
     "ps_params": "hybrid mode: modules kept on the PS row-sparse: embedding (every nn.Embedding) or fnmatch patterns",
     "embedding_rows": "ctr workload: embedding table rows", "embedding_dim": "ctr workload: embedding width",

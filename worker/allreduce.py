@@ -152,6 +152,8 @@ def _train(cfg, rank, world_size, backend, device, bucket_cap_mb, DDP, local_opt
     comm = sum(blocked_s) - wait
     total_step = sum(step_s)
     acc = accuracy(model, x_te.to(device), y_te.to(device))
+    if cfg.save_model and rank == 0:
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, cfg.save_model)
     # every rank must hold the same parameters after DDP training
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     spread = flat.clone()

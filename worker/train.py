@@ -138,6 +138,8 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
         for n, p in opt.named:
             p.copy_(final[n].view_as(p))
     acc = accuracy(model, x_te, y_te)
+    if cfg.save_model and rank == 0:
+        torch.save(model.state_dict(), cfg.save_model)
     comm = opt.client.stats.snapshot()
     blocked, wait = opt.timing["blocked_s"], opt.timing["wait_s"]
     total_step = sum(step_s)
