@@ -185,7 +185,9 @@ def cmd_launch(args) -> int:
 
     cfg = config_from_args(args)
     from ps.security import LaunchSecurity
-    summary = launch(cfg, args.json, metrics=args.metrics, security=LaunchSecurity.from_args(args))
+    import shlex
+    summary = launch(cfg, args.json, metrics=args.metrics, security=LaunchSecurity.from_args(args),
+                     server_args=shlex.split(args.server_args or ""))
     print_summary(summary)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("per_worker", "server_stats",
                                                                     "loss_curve_rank0")}, indent=2))
@@ -282,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="start a local cluster (shards + workers), train, summarise")
     la.add_argument("--json", help="write the summary JSON here")
+    la.add_argument("--server-args", help="extra flags for every shard, one quoted string, e.g. "
+                    "\"--checkpoint-dir /tmp/ck --checkpoint-every-steps 50 --worker-timeout 10\"")
     la.add_argument("--metrics", action="store_true",
                     help="start a Prometheus exporter in every server and worker (free ports; URLs printed)")
     add_security_args(la, "launch")

@@ -58,7 +58,7 @@ def _metrics_args(on: bool, host: str, port_file: str) -> list[str]:
 
 
 def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.1", quiet: bool = False,
-           metrics: bool = False, security=None) -> dict:
+           metrics: bool = False, security=None, server_args: list[str] | None = None) -> dict:
     """metrics: start a Prometheus exporter in every server and (ps-mode) worker; the summary's
     metrics_urls lists them (they live as long as the cluster does).
     security: a ps.security.LaunchSecurity; its token reaches the children as $DELTAPS_TOKEN (never argv),
@@ -82,7 +82,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                                                   os.path.join(tmp, f"server{i}.port"),
                                                   *_metrics_args(metrics, host,
                                                                  os.path.join(tmp, f"server{i}.metrics.port")),
-                                                  *security.server.argv("server")],
+                                                  *security.server.argv("server"), *(server_args or [])],
                                             stdout=log, stderr=subprocess.STDOUT, env=child_env))
         addrs = [f"{host}:{_wait_port(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
         target = (["--servers", ",".join(addrs)] if cfg.mode == "ps"

@@ -114,3 +114,11 @@ def test_rollback_switch_on_a_running_job(tmp_path):
             if p.poll() is None:
                 p.terminate()
                 p.wait(10)
+
+
+def test_launch_passes_server_args_checkpoints_written(tmp_path):
+    ck = tmp_path / "ck"
+    s = _launch(tmp_path, "--steps", "60", "--server-args", f"--checkpoint-dir {ck} --checkpoint-every-steps 20")
+    assert s["steps"] == 60
+    names = sorted(p.name for p in ck.iterdir())
+    assert any(n.startswith("shard0-") for n in names) and any(n.startswith("shard1-") for n in names), names
