@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test bench proto clean prometheus kubectl
+.PHONY: setup demo test bench proto clean prometheus kubectl advise-validate
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -55,6 +55,11 @@ bench: setup
 	# short allreduce-vs-PS comparison on 1 Gbit/s namespace links (loopback when not root); a few minutes
 	$(BIN)/deltaps bench compare --workers 4 --bandwidth 1gbit --hidden 1024 --steps 30 \
 		--modes allreduce,ps:none,ps:int8,ps:topk:ratio=0.01 --json bench-compare.json --plot bench-compare.png
+
+# deltaps advise: predicted vs measured step time on the bench compare grid (2 and 4 workers x 100mbit,
+# 1gbit, 10gbit x 4 modes; needs root for the shaped namespaces; ~15 minutes; reports kept in /tmp/deltaps-advise-validate)
+advise-validate: setup
+	$(BIN)/python -m ps.advise validate --workers 2,4 --bandwidths 100mbit,1gbit,10gbit --steps 30 --dir /tmp/deltaps-advise-validate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

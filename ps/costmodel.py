@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ps.partition import build_layout, itemsize, shard_loads
+from ps.partition import build_layout, shard_loads
 
 
 # ---- calibration & job ----------------------------------------------------------------------------------
@@ -48,10 +48,12 @@ class CodecSpeed:
     compress_Bps: float           # raw bytes / s
     decompress_Bps: float
     ratio: float                  # raw / wire bytes
+    path_s_per_byte: float = 0.0  # PS push+pull path cost beyond the kernels (measured cycle), s per raw byte
 
     @classmethod
     def from_dict(cls, d: dict) -> "CodecSpeed":
-        return cls(float(d["compress_Bps"]), float(d["decompress_Bps"]), float(d["ratio"]))
+        return cls(float(d["compress_Bps"]), float(d["decompress_Bps"]), float(d["ratio"]),
+                   float(d.get("path_s_per_byte", 0.0)))
 
 
 IDENTITY = CodecSpeed(math.inf, math.inf, 1.0)
@@ -71,6 +73,7 @@ class Calibration:
     codecs: dict = field(default_factory=dict)       # spec -> CodecSpeed
     cores: int | None = None                   # cores of the calibrating host
     bandwidth_by_streams: dict = field(default_factory=dict)  # {concurrent streams: achieved B}
+    host_network_Bps: dict = field(default_factory=dict)      # {streams: bytes/s all unshaped veths move}
 
     def compute(self, k: int, table: dict | None = None) -> float:
         """Per-step time of a CPU phase with k processes doing it at once (measured; interpolated
@@ -100,12 +103,13 @@ class Calibration:
         k = max(self.fwd_bwd_s) if self.fwd_bwd_s else (self.cores or 1)
         return max(1e-3, min(float(self.cores or k), k / self.stretch(k)))
 
-    def host_network_Bps(self, streams: int) -> float:
+    def host_network(self, streams: int) -> float:
         """Bytes/s all links of one host move together with this many concurrent streams (veth copies
-        cost CPU): streams x the per-stream rate measured with that many at once."""
-        if not self.bandwidth_by_streams:
+        cost CPU), measured on unshaped links; inf when not measured."""
+        if not self.host_network_Bps:
             return math.inf
-        return streams * self.bandwidth(streams)
+        pts = sorted(self.host_network_Bps.items())
+        return next((v for k, v in reversed(pts) if k <= streams), pts[0][1])
 
     def bandwidth(self, streams: int = 1) -> float:
         """Achieved per-link bandwidth with this many concurrent streams (measured where available)."""
@@ -120,8 +124,8 @@ class Calibration:
 
     def codec(self, spec: str) -> CodecSpeed:
         spec = canonical(spec)
-        if spec == "none":
-            return self.codecs.get("none", IDENTITY) if False else IDENTITY
+        if spec == "none":        # raw tensors: no codec kernels (their copies are in the gRPC per-byte cost)
+            return IDENTITY
         if spec not in self.codecs:
             raise KeyError(f"codec {spec!r} was not calibrated (have: {', '.join(sorted(self.codecs))})")
         c = self.codecs[spec]
@@ -134,6 +138,7 @@ class Calibration:
                 "optimizer_s": {str(k): v for k, v in self.optimizer_s.items()}, "apply_Bps": self.apply_Bps,
                 "reduce_Bps": self.reduce_Bps, "cores": self.cores,
                 "bandwidth_by_streams": {str(k): v for k, v in self.bandwidth_by_streams.items()},
+                "host_network_Bps": {str(k): v for k, v in self.host_network_Bps.items()},
                 "codecs": {k: (vars(v) if isinstance(v, CodecSpeed) else v) for k, v in self.codecs.items()}}
 
     @classmethod
@@ -146,6 +151,7 @@ class Calibration:
                    apply_Bps=float(d.get("apply_Bps", math.inf)), reduce_Bps=float(d.get("reduce_Bps", math.inf)),
                    cores=d.get("cores"),
                    bandwidth_by_streams={int(k): float(v) for k, v in d.get("bandwidth_by_streams", {}).items()},
+                   host_network_Bps={int(k): float(v) for k, v in d.get("host_network_Bps", {}).items()},
                    codecs={k: CodecSpeed.from_dict(v) for k, v in d.get("codecs", {}).items()})
 
 
@@ -213,7 +219,7 @@ def _network(cal: Calibration, job: Job, hot_link_bytes: float, total_link_bytes
     also every link's bytes through the host's measured aggregate veth throughput."""
     t = hot_link_bytes / cal.bandwidth(1)
     if job.host_cores:
-        t = max(t, total_link_bytes / cal.host_network_Bps(flows))
+        t = max(t, total_link_bytes / cal.host_network(flows))
     return t
 
 
@@ -246,14 +252,18 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     share = [ld / G for ld in loads]
     pw, pl = G / push.ratio, G / pull.ratio
     hot = max(max(W * s * pw, W * s * pl) for s in share)
-    # per key, the pull follows the push (BSP): a shard's fan-in then its fan-out, in sequence
-    shard_link = max(W * s * (pw + pl) for s in share)
+    # per key, the pull follows the push (BSP): a shard's fan-in, then its fan-out. If the W pulls leave
+    # together (fair sharing), nothing overlaps: in + out. If they leave one after another, the first
+    # workers' next pushes overlap the rest: out + in / W. The model takes the mean of the two bounds.
+    shard_link = max(W * s * (pw + pl + (pl + pw / W)) / 2 for s in share)
     link = _network(cal, job, max(shard_link, pw + pl), W * (pw + pl), W) + 2 * cal.alpha_s
     # gRPC costs measured client + server together: half on each side
     rpc, per_byte = cal.rpc_s / 2, 0.5 / cal.grpc_Bps
     shard_cpu = [2 * W * kj * rpc + W * s * (pw + pl) * per_byte + W * s * G / push.decompress_Bps
-                 + s * G / cal.apply_Bps + s * G / pull.compress_Bps for s, kj in zip(share, keys)]
-    worker_cpu = 2 * K * rpc + (pw + pl) * per_byte + G / push.compress_Bps + G / pull.decompress_Bps
+                 + s * G / cal.apply_Bps + s * G / pull.compress_Bps + W * s * G * push.path_s_per_byte / 2
+                 for s, kj in zip(share, keys)]
+    worker_cpu = (2 * K * rpc + (pw + pl) * per_byte + G / push.compress_Bps + G / pull.decompress_Bps
+                  + G * push.path_s_per_byte / 2)
     ws = cal.stretch(W) if job.host_cores else 1.0
     ss = cal.stretch(n) if job.host_cores else 1.0
     scpu = max(shard_cpu) * ss
@@ -303,4 +313,4 @@ def layout_keys(tensors: list, shards: int, chunk_bytes: int = 4 << 20) -> int:
 
 
 __all__ = ["Calibration", "CodecSpeed", "Job", "predict", "predict_allreduce", "predict_ps", "ring_allreduce_bytes",
-           "ring_allreduce_time", "ps_link_bytes", "training_cost", "mlp_tensors", "pull_codec_for", "itemsize"]
+           "ring_allreduce_time", "ps_link_bytes", "training_cost", "mlp_tensors", "pull_codec_for"]
