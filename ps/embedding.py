@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from compression.server import all_finite
+
 from ps.shard import ShardError
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -333,7 +335,7 @@ class EmbeddingStore:
                 if g.shape != (ids.numel(), t.spec.dim):
                     raise EmbeddingError("INVALID_ARGUMENT", f"table {name}: grad shape {tuple(g.shape)} != "
                                                              f"({ids.numel()}, {t.spec.dim})")
-                if not bool(torch.isfinite(g).all()):
+                if not all_finite(g):
                     raise EmbeddingError("INVALID_ARGUMENT", f"table {name}: non-finite gradient")
                 if ids.numel() and bool((t.slots(ids) < 0).any()):
                     raise EmbeddingError("FAILED_PRECONDITION", f"table {name}: gradient for rows never pulled")

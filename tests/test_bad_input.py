@@ -47,6 +47,8 @@ def _unchanged(c):
     (_chunk(key="nope#0"), grpc.StatusCode.INVALID_ARGUMENT, ["unknown key", "nope#0"]),
     (_chunk(n=99), grpc.StatusCode.INVALID_ARGUMENT, ["99", "100"]),
     (_chunk(data=np.full(100, np.nan, np.float32).tobytes()), grpc.StatusCode.INVALID_ARGUMENT, ["NaN"]),
+    (_chunk(data=np.r_[np.ones(99), np.inf].astype(np.float32).tobytes()), grpc.StatusCode.INVALID_ARGUMENT, ["Inf"]),
+    (_chunk(data=np.r_[-np.inf, np.ones(99)].astype(np.float32).tobytes()), grpc.StatusCode.INVALID_ARGUMENT, ["Inf"]),
     (_chunk(data=b"\0" * 17), grpc.StatusCode.INVALID_ARGUMENT, ["w#0"]),
     (_chunk(codec="zstd9"), grpc.StatusCode.INVALID_ARGUMENT, ["unknown codec", "zstd9"]),
     (_chunk(codec="topk", header=b"\xc1garbage", data=b"\0" * 8), grpc.StatusCode.INVALID_ARGUMENT, ["header"]),
