@@ -313,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from ps.malloc import tune_malloc
+    tune_malloc()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.cmd != "bench":

@@ -83,3 +83,26 @@ def test_server_optimizer_is_taken_from_wrapped_torch_optimizer(cluster_factory)
     cfg = c.shards[0].job.optimizer
     assert (cfg.name, cfg.lr, cfg.momentum, cfg.nesterov) == ("sgd", 0.3, 0.5, True)
     opt.close()
+
+
+def test_second_backward_before_step_is_refused_and_accumulation_works(cluster_factory):
+    import pytest
+    c = cluster_factory(1)
+    m = nn.Linear(4, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, timeout_s=10)
+    x = torch.randn(8, 4)
+    m(x).sum().backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+        m(x).sum().backward()
+    opt.close()
+    m2 = nn.Linear(4, 1)
+    w0 = m2.weight.detach().clone()
+    opt2 = DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1), m2, servers=cluster_factory(1).addrs,
+                                timeout_s=10, backward_passes_per_step=2)
+    g = torch.zeros_like(w0)
+    for xb in (x[:4], x[4:]):
+        m2(xb).sum().backward()
+    g = m2.weight.grad.detach().clone() / 2          # the mean of the two passes is what gets pushed
+    opt2.step()
+    assert torch.allclose(m2.weight, w0 - 0.1 * g, atol=1e-6)
+    opt2.close()

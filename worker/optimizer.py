@@ -44,6 +44,9 @@ class DistributedOptimizer:
     def _make_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
             self._passes[name] = self._passes.get(name, 0) + 1
+            if self._passes[name] > self.backward_passes_per_step:
+                raise RuntimeError(f"gradient of {name!r} computed {self._passes[name]} times before step(); "
+                                   f"set backward_passes_per_step={self._passes[name]} to accumulate")
             if self._passes[name] == self.backward_passes_per_step:
                 self._start(name, param.grad)
         return hook
@@ -54,7 +57,9 @@ class DistributedOptimizer:
         step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
         keys_by_shard = self.client._by_shard([name])
         self._pending[name] = [
-            self.client.pool.submit(self._push_pull, shard, keys, {name: grad.clone()}, step, min_v)
+            # no copy: step() waits for these before autograd can touch p.grad again, and zero_grad
+            # without set_to_none synchronises first
+            self.client.pool.submit(self._push_pull, shard, keys, {name: grad}, step, min_v)
             for shard, keys in keys_by_shard.items()]
 
     def _push_pull(self, shard, keys, grads, step, min_version) -> float:
@@ -88,6 +93,8 @@ class DistributedOptimizer:
                 p.copy_(values[n].view_as(p))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:      # in-place zeroing must not race a push still reading the gradient
+            self.synchronize()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
