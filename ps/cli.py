@@ -102,6 +102,8 @@ def cmd_server(args) -> int:
     from ps.shard import Shard
 
     resolve_server_env(args)
+    import torch
+    torch.set_num_threads(max(1, args.threads))
     if not 0 <= args.shard_id < args.num_shards:
         raise SystemExit(f"--shard-id {args.shard_id} must be in [0, {args.num_shards})")
     shard = Shard(args.shard_id, args.num_shards, wait_timeout_s=args.wait_timeout,
@@ -242,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "pod name ending in -<ordinal>; else the ordinal of $HOSTNAME when $DELTAPS_NUM_SHARDS is set)")
     s.add_argument("--num-shards", type=int, help="total number of shards (default $DELTAPS_NUM_SHARDS)")
     s.add_argument("--port-file", help="write the bound port to this file once listening")
+    s.add_argument("--threads", type=int, default=1,
+                   help="torch threads for optimizer/codec math (default 1: RPCs of different keys already run "
+                        "in parallel, and idle OpenMP threads spin on cores the workers need)")
     s.add_argument("--wait-timeout", type=float, default=300.0,
                    help="longest a pull/barrier may block waiting for other workers, seconds")
     s.add_argument("--max-message-bytes", type=int, default=64 << 20, help="gRPC max message size")
