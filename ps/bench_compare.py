@@ -68,7 +68,9 @@ def parse_mode(spec: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaps bench compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--servers", type=int, default=2, help="PS shards for the ps modes")
+    p.add_argument("--servers", type=int, default=None,
+                   help="PS shards for the ps modes (default: as many as workers, as BytePS recommends: "
+                        "every shard link carries workers x its share of the model)")
     p.add_argument("--bandwidth", default="1gbit", help="per-process link rate, each direction (tc syntax)")
     p.add_argument("--latency", default=None, help="one-way process-to-process latency (needs netem)")
     p.add_argument("--modes", default="allreduce,ps:none,ps:int8,ps:topk:ratio=0.01",
@@ -329,6 +331,8 @@ def plot(report: dict, path: str) -> None:
 
 
 def compare(args) -> dict:
+    if args.servers is None:
+        args.servers = args.workers
     specs = [s.strip() for s in args.modes.split(",") if s.strip()]
     if len(set(specs)) != len(specs):
         raise ValueError("duplicate mode specs")
