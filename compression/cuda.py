@@ -108,7 +108,6 @@ def _chunk_absmax(x, chunk: int):
 
 def int8_encode(x: torch.Tensor, chunk: int, inv127: float):
     """(scales float32, q int8) as torch CUDA tensors."""
-    cp = _cupy()
     xc = to_cupy(x)
     scale = _chunk_absmax(xc, chunk) * np.float32(inv127)
     q = _kernels()["int8"](xc, scale, np.int64(chunk))

@@ -1,6 +1,5 @@
 """Generated gRPC code for protos/deltaps.proto (built by `make proto`; generated on first import if missing)."""
 import os as _os
-import sys as _sys
 
 _HERE = _os.path.dirname(_os.path.abspath(__file__))
 

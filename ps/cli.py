@@ -198,7 +198,6 @@ def cmd_launch(args) -> int:
 
 def cmd_ctl(args) -> int:
     from worker.client import PSError, _call
-    import grpc
     from protos import pb, rpc
     from ps.security import Security
     from ps.wire import grpc_options

@@ -13,7 +13,6 @@ import json
 import sys
 import time
 import urllib.request
-from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 

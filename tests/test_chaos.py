@@ -1,7 +1,6 @@
 """Chaos with real processes on loopback: kill -9 a shard (restart it with --restore on the same port),
 kill -9 a worker (eviction, then rejoin), SIGTERM writes a final checkpoint."""
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -1,6 +1,5 @@
 """Compact index sections of the sparse codecs (u16 / delta + bit-packing), see compression.wire."""
 import dataclasses
-import math
 
 import msgpack
 import numpy as np

@@ -1,6 +1,5 @@
 """End to end with real processes on loopback: `deltaps launch`, and the rollback switch on a live job."""
 import json
-import os
 import subprocess
 import sys
 import time

@@ -7,12 +7,11 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from helpers import client
-from protos import pb, rpc
+from protos import pb
 from ps.launch import free_port
 from ps.optimizer import OptimizerConfig
 from ps.wire import chunk_from_tensor

@@ -13,7 +13,7 @@ from conftest import run_threads
 from helpers import client, named
 from protos import pb, rpc
 from ps.checkpoint import list_checkpoints
-from ps.durability import Checkpointer, restore, restore_latest, snapshot
+from ps.durability import Checkpointer, restore_latest
 from ps.launch import free_port
 from ps.optimizer import OptimizerConfig
 from ps.server import start_server

@@ -129,16 +129,6 @@ class PSClient:
                     self._init_shard(shard, values)
         return self.pull(min_version=0)
 
-    def _with_retry(self, fn, attempts: int = 60, delay: float = 0.25):
-        """Retry while a server is not up yet (UNAVAILABLE), e.g. right after launch."""
-        for i in range(attempts):
-            try:
-                return fn()
-            except PSError as e:
-                if e.code != grpc.StatusCode.UNAVAILABLE or i == attempts - 1:
-                    raise
-                time.sleep(delay)
-
     def _init_shard(self, shard: int, values: dict[str, torch.Tensor]) -> None:
         for batch in self._batches([k for k in self.layout if k.shard == shard]):
             chunks = [chunk_from_tensor(k.key, self._slice(values[k.param], k)) for k in batch]

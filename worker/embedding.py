@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protos import PROTOCOL_VERSION, pb, rpc
-from ps.embedding import TableSpec, ids_from_bytes, ids_to_bytes, rows_from_bytes, rows_to_bytes
+from ps.embedding import TableSpec, ids_to_bytes, rows_from_bytes, rows_to_bytes
 from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from worker.client import CommStats, _call
 
