@@ -143,7 +143,11 @@ def cmd_worker(args) -> int:
 
     cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
     resolve_worker_env(args)
-    if cfg.mode == "hybrid" or cfg.workload == "ctr":   # embedding workload / hybrid (worker/hybrid.py)
+    if cfg.mode == "pipeline":   # pipeline stages x data-parallel replicas through the PS (worker/pipeline.py)
+        from ps.security import Security
+        from worker.pipeline import run_worker as run_pipeline_worker
+        result = run_pipeline_worker(cfg, args, security=Security.from_args(args, "client"))
+    elif cfg.mode == "hybrid" or cfg.workload == "ctr":   # embedding workload / hybrid (worker/hybrid.py)
         from ps.security import Security
         from worker.hybrid import run_worker
         result = run_worker(cfg, args, security=Security.from_args(args, "client"))

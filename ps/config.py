@@ -47,13 +47,19 @@ class TrainConfig:
     embedding_optimizer: str = "adagrad"  # sgd | adagrad | adam (row-wise on the PS; dense torch in allreduce)
     embedding_lr: float = 0.05
     zipf_a: float = 1.1              # ctr: Zipf exponent of the id distribution
+    # ---- pipeline parallelism (worker/pipeline.py, README "Hybrid parallelism") ----
+    pipeline_stages: int = 2         # pipeline: stages S per replica (workers = S x data-parallel replicas)
+    microbatches: int = 4            # pipeline: micro-batches per step (must divide --batch-size)
+    pipeline_schedule: str = "gpipe"  # pipeline: gpipe | 1f1b (torch.distributed.pipelining)
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         from ps.sync import parse_sync
         parse_sync(self.sync)
-        if self.mode not in ("ps", "allreduce", "hybrid"):
-            raise ValueError(f"unknown mode {self.mode!r}; use ps, allreduce or hybrid")
+        if self.mode not in ("ps", "allreduce", "hybrid", "pipeline"):
+            raise ValueError(f"unknown mode {self.mode!r}; use ps, allreduce, hybrid or pipeline")
+        if self.mode == "pipeline":
+            self._validate_pipeline()
         if self.workload not in ("mlp", "ctr"):
             raise ValueError(f"unknown workload {self.workload!r}; use mlp or ctr")
         if self.mode == "hybrid" and self.workload != "ctr":
@@ -73,12 +79,28 @@ class TrainConfig:
         get_codec(self.codec)
         resolve_pull_codec(self.pull_codec, self.codec)
 
+    def _validate_pipeline(self) -> None:
+        if self.workload != "mlp":
+            raise ValueError("--mode pipeline runs the digits MLP: use --workload mlp")
+        if self.sync != "bsp":
+            raise ValueError(f"--mode pipeline supports --sync bsp only, not {self.sync}")
+        if self.pipeline_schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"unknown pipeline schedule {self.pipeline_schedule!r}; use gpipe or 1f1b")
+        if not 1 <= self.pipeline_stages <= self.layers + 1:
+            raise ValueError(f"--pipeline-stages must be in [1, layers + 1 = {self.layers + 1}], "
+                             f"got {self.pipeline_stages}")
+        if self.workers % self.pipeline_stages:
+            raise ValueError(f"--workers {self.workers} must be a multiple of --pipeline-stages {self.pipeline_stages}")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise ValueError(f"--microbatches {self.microbatches} must be >= 1 and divide --batch-size {self.batch_size}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 _HELP = {
-    "mode": "training mode: ps (parameter servers) or allreduce (DDP ring-allreduce baseline)", "sync": "bsp, asp or ssp:S", "servers": "number of PS shards (launch)",
+    "mode": "training mode: ps (parameter servers), allreduce (DDP ring-allreduce baseline), hybrid "
+            "(embeddings on the PS, rest allreduced) or pipeline (pipeline stages x data-parallel replicas via the PS)", "sync": "bsp, asp or ssp:S", "servers": "number of PS shards (launch)",
     "workers": "number of workers / world size (launch)", "steps": "training steps per worker",
     "batch_size": "batch size per worker", "optimizer": "server-side optimizer: sgd or adam",
     "lr": "learning rate", "momentum": "SGD momentum", "weight_decay": "weight decay",
@@ -104,6 +126,9 @@ _HELP = {
     "embedding_fields": "ctr workload: categorical fields per sample (sharing the table)",
     "embedding_optimizer": "embedding table optimizer: sgd, adagrad or adam (row-wise lazy on the PS)",
     "embedding_lr": "embedding table learning rate", "zipf_a": "ctr workload: Zipf exponent of the ids",
+    "pipeline_stages": "pipeline mode: stages per pipeline replica (workers must be a multiple of it)",
+    "microbatches": "pipeline mode: micro-batches per step (must divide --batch-size)",
+    "pipeline_schedule": "pipeline mode: schedule, gpipe or 1f1b",
 }
 
 

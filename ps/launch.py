@@ -75,7 +75,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     servers, workers = [], []
     metrics_urls: list[str] = []
     try:
-        for i in range(cfg.servers if cfg.mode in ("ps", "hybrid") else 0):   # allreduce: no servers
+        for i in range(cfg.servers if cfg.mode in ("ps", "hybrid", "pipeline") else 0):   # allreduce: no servers
             log = open(os.path.join(tmp, f"server{i}.log"), "w")
             servers.append(subprocess.Popen(py + ["server", "--host", host, "--port", "0", "--shard-id", str(i),
                                                   "--num-shards", str(cfg.servers), "--port-file",
@@ -87,7 +87,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         addrs = [f"{host}:{_wait_port(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
         target = (["--servers", ",".join(addrs)] if cfg.mode == "ps"
                   else ["--master-addr", host, "--master-port", str(free_port(host))])
-        if cfg.mode == "hybrid":   # embedding shards + a gloo rendezvous for the dense part
+        if cfg.mode in ("hybrid", "pipeline"):   # shards + a gloo rendezvous (dense allreduce / stage p2p)
             target = ["--servers", ",".join(addrs), "--master-addr", host, "--master-port", str(free_port(host))]
         if not quiet and cfg.mode == "allreduce":
             print(f"deltaps launch: allreduce (DDP) rendezvous at {host}:{target[-1]}; {cfg.workers} workers", flush=True)
@@ -102,7 +102,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                       "--config", cfg_path, "--result-json", os.path.join(tmp, f"worker{r}.json"),
                       "--progress" if show else "--no-progress",
                       *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port")),
-                      *(security.client.argv("client") if cfg.mode in ("ps", "hybrid") else [])],
+                      *(security.client.argv("client") if cfg.mode in ("ps", "hybrid", "pipeline") else [])],
                 stdout=out, stderr=None if show else subprocess.STDOUT, env=child_env))
         if metrics:
             metrics_urls = [f"http://{host}:{_wait_port(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
