@@ -8,7 +8,6 @@ thresholds keeps freed blocks in the heap for reuse. Opt out with DELTAPS_MALLOC
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -18,12 +17,8 @@ def tune_malloc(mmap_threshold: int = 1 << 30, trim_threshold: int = 4 << 30) ->
     """Apply the thresholds; False where not glibc or opted out."""
     if os.environ.get("DELTAPS_MALLOC_TUNING", "1") == "0":
         return False
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+    try:    # the running interpreter's own symbols (no find_library: it spawns ldconfig/gcc)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
