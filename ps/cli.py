@@ -202,8 +202,8 @@ def cmd_launch(args) -> int:
     summary = launch(cfg, args.json, metrics=args.metrics, security=LaunchSecurity.from_args(args),
                      server_args=shlex.split(args.server_args or ""))
     print_summary(summary)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("per_worker", "server_stats",
-                                                                    "loss_curve_rank0")}, indent=2))
+    long = ("per_worker", "server_stats", "loss_curve_rank0", "bytes_pushed_wire_steps_rank0")   # in --json
+    print(json.dumps({k: v for k, v in summary.items() if k not in long}, indent=2))
     return 0
 
 
