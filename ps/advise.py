@@ -212,19 +212,25 @@ def probe_network(rate: str, streams=(1, 2, 4), prefix: str = "dpsa", nbytes: in
         for k in streams:
             pairs = [(0, 1)] if k == 1 else [(i, (i + 1) % k) for i in range(k)]
             port = 5400 + 10 * k
-            sinks = [_spawn_ready(topo.exec_prefix(d) + [sys.executable, "-c", netns._SINK, topo.addr(d), str(port),
-                                                         str(want)]) for _, d in pairs]
-            try:
-                srcs = [subprocess.Popen(topo.exec_prefix(s) + [sys.executable, "-c", netns._SOURCE, topo.addr(d),
-                                                                str(port), str(want)], stdout=subprocess.PIPE, text=True)
-                        for s, d in pairs]
-                secs = [float(p.communicate(timeout=300)[0].strip()) for p in srcs]
-            finally:
-                for p in sinks:
-                    p.kill()
-                    p.wait()
+            secs = _stream_seconds(topo, pairs, port, want)
             res["bandwidth_by_streams"][k] = statistics.median(want / s for s in secs)
     return res
+
+
+def _stream_seconds(topo, pairs, port: int, nbytes: int) -> list[float]:
+    """Seconds each (src, dst) namespace pair took to move nbytes over one TCP stream, all pairs at once."""
+    from ps import netns
+    sinks = [_spawn_ready(topo.exec_prefix(d) + [sys.executable, "-c", netns._SINK, topo.addr(d), str(port),
+                                                 str(nbytes)]) for _, d in pairs]
+    try:
+        srcs = [subprocess.Popen(topo.exec_prefix(s) + [sys.executable, "-c", netns._SOURCE, topo.addr(d),
+                                                        str(port), str(nbytes)], stdout=subprocess.PIPE, text=True)
+                for s, d in pairs]
+        return [float(p.communicate(timeout=300)[0].strip()) for p in srcs]
+    finally:
+        for p in sinks:
+            p.kill()
+            p.wait()
 
 
 def probe_host_network(streams=(1, 2, 4), prefix: str = "dpsa", nbytes: int = 32 << 20) -> dict:
@@ -240,17 +246,7 @@ def probe_host_network(streams=(1, 2, 4), prefix: str = "dpsa", nbytes: int = 32
         for k in streams:
             pairs = [(0, 1)] if k == 1 else [(i, (i + 1) % k) for i in range(k)]
             port = 5600 + 10 * k
-            sinks = [_spawn_ready(topo.exec_prefix(d) + [sys.executable, "-c", netns._SINK, topo.addr(d), str(port),
-                                                         str(nbytes)]) for _, d in pairs]
-            try:
-                srcs = [subprocess.Popen(topo.exec_prefix(s) + [sys.executable, "-c", netns._SOURCE, topo.addr(d),
-                                                                str(port), str(nbytes)], stdout=subprocess.PIPE, text=True)
-                        for s, d in pairs]
-                secs = [float(p.communicate(timeout=300)[0].strip()) for p in srcs]
-            finally:
-                for p in sinks:
-                    p.kill()
-                    p.wait()
+            secs = _stream_seconds(topo, pairs, port, nbytes)
             out[k] = k * nbytes / max(secs)
     return out
 
