@@ -38,11 +38,16 @@ def start_exporter(registry: CollectorRegistry, port: int, addr: str = "127.0.0.
     log.info("%s metrics on http://%s:%d/metrics", what, addr, bound)
     print(f"{what} metrics on http://{addr}:{bound}/metrics", flush=True)
     if port_file:
-        tmp = port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(bound))
-        os.replace(tmp, port_file)
+        write_port_file(port_file, bound)
     return httpd, bound
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Publish a bound port atomically (temp file + rename): a reader never sees a partial number."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, path)
 
 
 def stop_exporter(httpd) -> None:

@@ -190,11 +190,8 @@ def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = No
              (kw.get("security") or Security()).describe("server"))
     print(f"deltaps server shard={shard.shard_id} listening on {host}:{bound}", flush=True)
     if port_file:
-        tmp = port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(bound))
-        import os
-        os.replace(tmp, port_file)
+        from ps.metrics import write_port_file
+        write_port_file(port_file, bound)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
