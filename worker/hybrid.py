@@ -236,15 +236,20 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
                        "rows_pushed": int(c.get("rows_pushed", 0)),
                        "timing_method": "hybrid: blocked = sparse pull + exposed dense allreduce + push wait; "
                                         "wait = server-side BSP wait of the pulls; comm = blocked - wait"})
-        dist.barrier()
-        if rank == 0:
-            res["server_stats"] = client.server_stats()
-        dist.barrier()
-        return res
+        return with_server_stats(res, client, rank)
     finally:
         if client is not None:
             client.close()
         dist.destroy_process_group()
+
+
+def with_server_stats(res: dict, client, rank: int) -> dict:
+    """Once every rank is done with the shards, rank 0 adds their counters; nobody closes before that."""
+    dist.barrier()
+    if rank == 0:
+        res["server_stats"] = client.server_stats()
+    dist.barrier()
+    return res
 
 
 def run_worker(cfg: TrainConfig, args, security=None) -> dict:

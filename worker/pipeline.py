@@ -40,6 +40,7 @@ from tqdm import tqdm
 from ps.config import TrainConfig
 from ps.optimizer import OptimizerConfig
 from worker.data import load_digits_split, worker_batches
+from worker.hybrid import with_server_stats
 from worker.model import accuracy, make_mlp, param_count
 
 log = logging.getLogger("deltaps.pipeline")
@@ -204,11 +205,7 @@ def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: 
             "timing_method": "pipeline: compute = schedule (forward/backward incl. p2p and bubbles); "
                              "comm = PS push + pull of this stage's gradients/parameters; wait = server-side BSP wait",
         }
-        dist.barrier()
-        if rank == 0:
-            res["server_stats"] = client.server_stats()
-        dist.barrier()
-        return res
+        return with_server_stats(res, client, rank)
     finally:
         if client is not None:
             client.close()
