@@ -113,7 +113,7 @@ def probe_codecs(grad_bytes: int, specs: list[str], repeats: int = 3) -> dict:
 
 
 def probe_grpc(cycles: int = 60, big_bytes: int = 4 << 20, codecs=()) -> dict:
-    """Per-call and per-byte cost of the deltaps gRPC path: push+pull cycles of a tiny and of a big
+    """Per-call and per-byte cost of the deltaps gRPC path: PushPull cycles of a tiny and of a big
     uncompressed tensor against a real `deltaps server` subprocess on loopback (world size 1, SGD);
     then the big tensor once per codec (pull codec `auto`, delta pulls as in training), whose cycle
     time the model compares with its own sum of codec kernels + gRPC bytes (see calibration_for)."""
@@ -135,12 +135,12 @@ def probe_grpc(cycles: int = 60, big_bytes: int = 4 << 20, codecs=()) -> dict:
             t = torch.randn(numel) if codec != "none" else torch.zeros(numel)
             c.setup([("p", t)])
             out = {"p": torch.empty(numel)}
-            c.pull(["p"], out=out, delta=codec != "none")
+            c.pull(["p"], out=out, delta=True)
             times = []
+            keys = c.by_param["p"]
             for step in range(n + 5):
                 t0 = time.perf_counter()
-                c.push({"p": t}, step)
-                c.pull(["p"], min_version=step + 1, out=out, delta=codec != "none")
+                c.push_pull_keys(0, keys, {"p": t}, step, step + 1, out)   # the training path: one RPC
                 times.append(time.perf_counter() - t0)
             c.close()
             return statistics.median(times[5:])
@@ -152,7 +152,7 @@ def probe_grpc(cycles: int = 60, big_bytes: int = 4 << 20, codecs=()) -> dict:
     sgd = probe_cpu_kernels(big_bytes, 3)["reduce_Bps"]      # SGD apply ~ one axpy over the tensor
     per_byte = max(1e-12, big - small - big_bytes / sgd) / (2 * big_bytes)
     per_codec = {c: cycle_time(big_bytes // 4, c, 30) for c in codecs if cm.canonical(c) != "none"}
-    return {"rpc_s": small / 2, "grpc_Bps": 1.0 / per_byte, "cycle_small_s": small, "cycle_big_s": big,
+    return {"rpc_s": small, "grpc_Bps": 1.0 / per_byte, "cycle_small_s": small, "cycle_big_s": big,
             "cycle_bytes": big_bytes, "cycle_codec_s": per_codec}
 
 

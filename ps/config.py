@@ -23,6 +23,7 @@ class TrainConfig:
     codec: str = "none"              # gradient codec spec, e.g. int8, topk:ratio=0.01
     chunk_bytes: int = 4 << 20       # tensors are split into keys of at most this size
     max_message_bytes: int = 64 << 20
+    bucket_bytes: int = 25 << 20     # gradient fusion: pushes go out per bucket of this many bytes (0 = per parameter)
     pull_codec: str = "auto"         # parameter deltas served by pulls: auto (follows codec), none, spec
     min_compress_bytes: int = 1024   # smaller tensors go uncompressed (256 float32)
     compress_warmup_steps: int = 0   # send uncompressed for the first N steps
@@ -74,6 +75,8 @@ class TrainConfig:
         for name in ("servers", "workers", "steps", "batch_size", "hidden", "layers", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
         from compression import get_codec
         from ps.pull_codec import resolve_pull_codec
         get_codec(self.codec)
@@ -106,7 +109,9 @@ _HELP = {
     "lr": "learning rate", "momentum": "SGD momentum", "weight_decay": "weight decay",
     "codec": "gradient codec spec (none, fp16, int8, topk:ratio=0.01, ...)",
     "chunk_bytes": "split tensors into keys of at most this many bytes",
-    "max_message_bytes": "gRPC max send/receive message size", "hidden": "MLP hidden width",
+    "max_message_bytes": "gRPC max send/receive message size",
+    "bucket_bytes": "gradient fusion (as DDP buckets): parameters are grouped in backward order into buckets of "
+                    "about this many bytes; a complete bucket goes out as one PushPull RPC per shard (0 = per parameter)", "hidden": "MLP hidden width",
     "pull_codec": "codec for parameter deltas sent back by pulls: auto (follows --codec), none, or a spec",
     "min_compress_bytes": "tensors smaller than this go uncompressed",
     "compress_warmup_steps": "send uncompressed for the first N steps",

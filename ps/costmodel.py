@@ -17,14 +17,15 @@ Parameter server (BSP, push chained to pull per key):
     link time = max( (Pw + Pl) / B,                         worker's own link
                      max_j W s_j (Pw + Pl) / B )            shard fan-in (W pushes) + fan-out (W pulls)
                 + 2 alpha
-    shard j CPU = 2 W k_j rpc_s + W s_j (Pw + Pl) / grpc_Bps + W s_j G / dec_push
+    R_j = PushPull RPCs a worker sends shard j per step (buckets x messages, fused_rpcs), R = sum R_j
+    shard j CPU = W R_j rpc_s + W s_j (Pw + Pl) / grpc_Bps + W s_j G / dec_push
                   + s_j G / apply_Bps + s_j G / comp_pull
-    worker CPU  = 2 K rpc_s + (Pw + Pl) / grpc_Bps + G / comp_push + G / dec_pull
+    worker CPU  = R rpc_s + (Pw + Pl) / grpc_Bps + G / comp_push + G / dec_pull
     t_comm = worker CPU + max_j shard j CPU + link time
     t_step = t_fwd_bwd + max(0, t_comm - overlap)
-Overlap: gradients are handed to the network as backward produces them, so up to the backward time
-after the first tensor is ready can hide communication: overlap = t_bwd x (1 - g_last / G) where
-g_last is the last-produced tensor (PS: the first layer; DDP: the whole last bucket).
+Overlap: gradients are handed to the network bucket by bucket as backward produces them (DDP buckets;
+deltaps' --bucket-bytes, both 25 MiB by default), so up to the backward time after the first bucket is
+ready can hide communication: overlap = t_bwd x (1 - g_last / G), g_last = the last bucket's bytes.
 
 CPU contention (only when the processes share one host, `Job.host_cores`, e.g. the 2-core box the
 validation runs on): a phase where m processes are busy on c cores runs max(1, m / c) times slower
@@ -161,8 +162,14 @@ class Job:
     workers: int
     shards: int = 2
     chunk_bytes: int = 4 << 20
-    bucket_cap_bytes: int = 25 << 20
+    bucket_cap_bytes: int = 25 << 20     # DDP buckets (allreduce) and deltaps' --bucket-bytes (PS)
+    max_message_bytes: int = 64 << 20
     host_cores: int | None = None     # all processes share this many cores (None: one device each)
+
+    @property
+    def fused_bytes(self) -> int:
+        """Raw bytes per PushPull message (worker.client.PSClient.fused_bytes)."""
+        return max(self.chunk_bytes, min(2 * self.chunk_bytes, self.max_message_bytes - (1 << 20)))
 
     @property
     def grad_bytes(self) -> int:
@@ -177,6 +184,48 @@ def pull_codec_for(push: str) -> str:
     """`--pull-codec auto` (ps/pull_codec.py): exact for none, casts stay casts, else int8."""
     name = canonical(push).split(":")[0]
     return {"none": "none", "fp16": "fp16", "bf16": "bf16"}.get(name, "int8")
+
+
+def buckets(tensors: list, bucket_bytes: int) -> list[list[str]]:
+    """worker.optimizer.make_buckets on (name, numel) pairs: backward order, ~bucket_bytes each."""
+    out, size = [[]], 0
+    for name, numel in reversed(tensors):
+        if out[-1] and (bucket_bytes <= 0 or size + 4 * numel > bucket_bytes):
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += 4 * numel
+    return [b for b in out if b]
+
+
+def last_bucket_bytes(tensors: list, bucket_bytes: int) -> int:
+    """Gradient bytes of the bucket backward completes last (sent after backward: nothing hides it)."""
+    sizes = dict(tensors)
+    bs = buckets(tensors, bucket_bytes)
+    return 4 * sum(sizes[n] for n in bs[-1]) if bs else 0
+
+
+def fused_rpcs(tensors: list, layout: list, shards: int, bucket_bytes: int, fused_bytes: int) -> list[int]:
+    """PushPull RPCs one worker sends each shard per step: per bucket, the bucket's keys on that shard
+    in messages of at most fused_bytes raw (a larger key alone), as worker/client.py batches them."""
+    by_param: dict = {}
+    for k in layout:
+        by_param.setdefault(k.param, []).append(k)
+    out = [0] * shards
+    for b in buckets(tensors, bucket_bytes):
+        per_shard: dict = {}
+        for name in b:
+            for k in by_param.get(name, []):
+                per_shard.setdefault(k.shard, []).append(k)
+        for j, keys in per_shard.items():
+            size, msgs = 0, 0
+            for k in keys:
+                if msgs and size + 4 * k.numel <= fused_bytes:
+                    size += 4 * k.numel
+                else:
+                    msgs, size = msgs + 1, 4 * k.numel
+            out[j] += msgs
+    return out
 
 
 def _stretch(busy: int, cores: int | None) -> float:
@@ -247,7 +296,6 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     pull = cal.codec(pull_codec or pull_codec_for(codec))
     layout = build_layout([(name, numel, "float32") for name, numel in job.tensors], n, job.chunk_bytes)
     loads = shard_loads(layout, n)
-    keys = [sum(1 for key in layout if key.shard == j) for j in range(n)]
     K = len(layout)
     share = [ld / G for ld in loads]
     pw, pl = G / push.ratio, G / pull.ratio
@@ -257,12 +305,14 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     # workers' next pushes overlap the rest: out + in / W. The model takes the mean of the two bounds.
     shard_link = max(W * s * (pw + pl + (pl + pw / W)) / 2 for s in share)
     link = _network(cal, job, max(shard_link, pw + pl), W * (pw + pl), W) + 2 * cal.alpha_s
-    # gRPC costs measured client + server together: half on each side
+    # gRPC costs measured client + server together: half on each side. One PushPull RPC per bucket,
+    # shard and message (fused_rpcs), as worker/optimizer.py sends them.
+    rpcs = fused_rpcs(job.tensors, layout, n, job.bucket_cap_bytes, job.fused_bytes)
     rpc, per_byte = cal.rpc_s / 2, 0.5 / cal.grpc_Bps
-    shard_cpu = [2 * W * kj * rpc + W * s * (pw + pl) * per_byte + W * s * G / push.decompress_Bps
+    shard_cpu = [W * rj * rpc + W * s * (pw + pl) * per_byte + W * s * G / push.decompress_Bps
                  + s * G / cal.apply_Bps + s * G / pull.compress_Bps + W * s * G * push.path_s_per_byte / 2
-                 for s, kj in zip(share, keys)]
-    worker_cpu = (2 * K * rpc + (pw + pl) * per_byte + G / push.compress_Bps + G / pull.decompress_Bps
+                 for s, rj in zip(share, rpcs)]
+    worker_cpu = (sum(rpcs) * rpc + (pw + pl) * per_byte + G / push.compress_Bps + G / pull.decompress_Bps
                   + G * push.path_s_per_byte / 2)
     ws = cal.stretch(W) if job.host_cores else 1.0
     ss = cal.stretch(n) if job.host_cores else 1.0
@@ -273,7 +323,7 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     comm = worker_cpu * ws + shard_phase
     k = W if job.host_cores else 1
     fb = cal.compute(k)
-    g_last = 4 * job.tensors[0][1] if job.tensors else 0
+    g_last = last_bucket_bytes(job.tensors, job.bucket_cap_bytes)
     overlap = fb * cal.bwd_fraction * (1 - g_last / G) if G else 0.0
     exposed = max(0.0, comm - overlap)
     step = fb + exposed
@@ -284,7 +334,7 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
             "pull_codec": pull_codec or pull_codec_for(codec), "step_s": step, "compute_s": fb,
             "comm_s": step - fb, "network_s": link, "cpu_comm_s": worker_cpu * ws + scpu,
             "overlap_s": min(overlap, comm), "bytes_sent_per_worker": pw, "bytes_pulled_per_worker": pl,
-            "bytes_hot_link": hot, "shard_shares": share, "keys": K,
+            "bytes_hot_link": hot, "shard_shares": share, "keys": K, "rpcs_per_worker": sum(rpcs),
             "push_ratio": push.ratio, "pull_ratio": pull.ratio}
 
 

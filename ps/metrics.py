@@ -25,7 +25,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 # Staleness in versions (integers; bucket le=N counts pushes at most N versions behind).
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 
-SERVER_RPCS = ("Register", "Init", "Push", "Pull", "Barrier", "SetCodec", "Stats")
+SERVER_RPCS = ("Register", "Init", "Push", "Pull", "PushPull", "Barrier", "SetCodec", "Stats")
 
 
 def start_exporter(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1",
@@ -216,13 +216,13 @@ class ServerMetrics:
                 raise
             finally:
                 hist.observe(time.perf_counter() - t0)
-            if rpc == "Push":
-                for c in request.grads:
+            if rpc in ("Push", "PushPull"):
+                for c in (request.grads if rpc == "Push" else request.push.grads):
                     codec = c.codec or "none"
                     self.received.labels(sid, codec).inc(len(c.data) + len(c.header))
                     self.received_raw.labels(sid, codec).inc(_raw_nbytes(c))
-            elif rpc == "Pull":
-                self.pull_wait.labels(sid).inc(max(0.0, rep.waited_s))
+            if rpc in ("Pull", "PushPull"):
+                self.pull_wait.labels(sid).inc(max(0.0, (rep if rpc == "Pull" else rep.pull).waited_s))
             elif rpc == "Barrier":
                 self.barrier_wait.labels(sid).inc(max(0.0, rep.waited_s))
                 self.barriers.labels(sid).inc()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from compression import decode_payload, get_codec
+from compression import get_codec
 from compression.base import CodecError, parse_spec
 
 FULL, DELTA, UNCHANGED = 0, 1, 2
@@ -48,7 +48,7 @@ class PullView:
 
     def publish(self, value: torch.Tensor, version: int) -> None:
         payload = self.codec.compress(value - self.view)
-        self.view.add_(decode_payload(payload).view(-1))
+        self.codec.accumulate(payload, self.view)       # view += decoded delta, block by block
         self.delta, self.delta_version = payload, version
 
     def serve(self, have: int, version: int):

@@ -67,6 +67,22 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Push(self, req, context):
+        return self._push(req)
+
+    @_guard
+    def Pull(self, req, context):
+        return self._pull(req, context)
+
+    @_guard
+    def PushPull(self, req, context):
+        if not req.HasField("push") or not req.HasField("pull"):
+            raise ShardError("INVALID_ARGUMENT", "PushPull needs both a push and a pull")
+        if req.pull.worker_id != req.push.worker_id or req.pull.server_id != req.push.server_id:
+            raise ShardError("INVALID_ARGUMENT", "PushPull: the pull's worker_id/server_id differ from the push's")
+        push = self._push(req.push)
+        return pb.PushPullResponse(push=push, pull=self._pull(req.pull, context))
+
+    def _push(self, req):
         self._check_server_id(req)
         grads = [(c.key, unpack_chunk(c)) for c in req.grads]
         self.shard.counters["bytes_received"] += sum(chunk_nbytes(c) for c in req.grads)
@@ -74,8 +90,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         return pb.PushResponse(duplicate=dup, versions=versions, server_id=self.shard.server_id,
                                durable_step=self.shard.durable_step(req.worker_id))
 
-    @_guard
-    def Pull(self, req, context):
+    def _pull(self, req, context):
         self._check_server_id(req)
         items, waited = self.shard.pull(list(req.keys), req.min_version, req.timeout_s,
                                         list(req.have_versions) or None, worker=req.worker_id,

@@ -46,6 +46,15 @@ def decode_chunk(c: pb.TensorChunk) -> torch.Tensor:
         raise CodecError(f"key {c.key!r}: {e}") from None
 
 
+def accumulate_chunk(c: pb.TensorChunk, out: torch.Tensor) -> None:
+    """out += the chunk's decoded tensor, block by block (no tensor-sized temporary)."""
+    from compression import accumulate_payload
+    try:
+        accumulate_payload(payload_from_chunk(c), out)
+    except CodecError as e:
+        raise CodecError(f"key {c.key!r}: {e}") from None
+
+
 def unpack_chunk(c: pb.TensorChunk):
     """Validated gradient (compression.Decoded): sparse payloads stay indices + values."""
     from compression import unpack_payload

@@ -78,16 +78,22 @@ def test_ps_cpu_terms_and_overlap():
                codecs={"int8": cm.CodecSpeed(G / 0.002, G / 0.001, 4.0)})
     p = cm.predict_ps(cal, job, "int8")
     # rpc_s is one call measured end to end (client + server): half of it on each side
-    worker = 2 * 1 * 0.5e-3 + 0.002 + 0.001               # push+pull RPC, compress, decode pull
-    shard = 2 * 2 * 1 * 0.5e-3 + 2 * 0.001 + 0.01 + 0.002  # W x (push+pull) RPCs, W decodes, apply, pull-compress
+    worker = 1 * 0.5e-3 + 0.002 + 0.001                   # one PushPull RPC, compress, decode pull
+    shard = 2 * 1 * 0.5e-3 + 2 * 0.001 + 0.01 + 0.002      # W PushPull RPCs, W decodes, apply, pull-compress
+    assert p["rpcs_per_worker"] == 1
     assert p["step_s"] == pytest.approx(worker + shard)
     # backward hides communication of everything but the last-produced tensor
-    job2 = cm.Job(tensors=[("first", 1 << 18), ("rest", 3 << 18)], workers=2, shards=1)
+    # (--bucket-bytes 0: one bucket per parameter, the last one produced is "first")
+    job2 = cm.Job(tensors=[("first", 1 << 18), ("rest", 3 << 18)], workers=2, shards=1, bucket_cap_bytes=0)
     cal2 = _cal(fwd_bwd_s={1: 0.1}, bwd_fraction=0.5)
     p2 = cm.predict_ps(cal2, job2, "none")
     G2 = job2.grad_bytes
     comm = ((2 * G2 + 2 * G2) + (2 * G2 + G2)) / 2 / 1e9
     assert p2["step_s"] == pytest.approx(0.1 + max(0.0, comm - 0.05 * 0.75))
+    assert p2["rpcs_per_worker"] == 2
+    # default 25 MiB buckets: both tensors (4 MiB) fuse into one bucket sent after backward, nothing hidden
+    p3 = cm.predict_ps(cal2, cm.Job(tensors=job2.tensors, workers=2, shards=1), "none")
+    assert p3["step_s"] == pytest.approx(0.1 + comm) and p3["rpcs_per_worker"] == 1
 
 
 def test_allreduce_prediction_by_hand():

@@ -121,3 +121,35 @@ def test_push_before_register(cluster_factory):
     c = cluster_factory(1)
     stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0]))
     _expect(grpc.StatusCode.FAILED_PRECONDITION, lambda: _push(stub, _chunk()), "Register")
+
+
+def _push_pull(stub, push=None, pull=None):
+    return stub.PushPull(pb.PushPullRequest(push=push, pull=pull), timeout=5)
+
+
+def test_push_pull_needs_both_halves_from_the_same_worker(setup):
+    c, _, stub = setup
+    push = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk()])
+    pull = pb.PullRequest(worker_id=0, keys=["w#0"], min_version=0, have_versions=[0])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, push=push), "both")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, pull=pull), "both")
+    other = pb.PullRequest(worker_id=1, keys=["w#0"], min_version=0, have_versions=[0])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, push, other), "worker_id")
+    # a bad push half is refused before anything is applied or pulled
+    bad = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk(data=np.full(100, np.nan, np.float32).tobytes())])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, bad, pull), "NaN")
+    _unchanged(c)
+
+
+def test_push_pull_retry_is_acknowledged_not_applied_twice(setup):
+    """A PushPull re-sent after a lost answer: the push is a duplicate, the pull is served again."""
+    c, _, stub = setup
+    c.shards[0].evict(1)                       # world of 2; worker 1 never comes: the step completes with 0
+    push = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk()])
+    pull = pb.PullRequest(worker_id=0, keys=["w#0"], min_version=1, have_versions=[0])
+    first = _push_pull(stub, push, pull)
+    again = _push_pull(stub, push, pull)
+    assert list(first.push.duplicate) == [False] and list(again.push.duplicate) == [True]
+    assert list(first.pull.versions) == list(again.pull.versions) == [1]
+    assert c.shards[0].keys["w#0"].version == 1 and c.shards[0].counters["duplicates"] == 1
+    assert c.shards[0].counters["grads_applied"] == 1

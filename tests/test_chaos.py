@@ -152,7 +152,7 @@ def test_kill9_a_shard_mid_run_and_restore_it(procs, tmp_path):
 
 
 def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
-    timeout, steps = 2.0, 800   # enough steps that the job still runs when the killed worker is back
+    timeout, steps = 2.0, 4000   # enough steps that the job still runs when the killed worker is back
     ports = [free_port(), free_port()]
     addrs = [f"127.0.0.1:{p}" for p in ports]
     for i in range(2):

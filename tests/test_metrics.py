@@ -101,8 +101,12 @@ def test_worker_metrics(trained):
         assert _v(m, "deltaps_worker_step_seconds_count", worker=w) == cfg.steps
         assert _v(m, "deltaps_worker_step_seconds_sum", worker=w) == pytest.approx(sum(split.values()), rel=1e-6)
         assert _v(m, "deltaps_worker_push_rpcs_total", worker=w) == res["push_rpcs"]
-        assert _v(m, "deltaps_worker_push_rpc_seconds_count", worker=w) == res["push_rpcs"]
-        assert _v(m, "deltaps_worker_pull_rpc_seconds_count", worker=w) > 0
+        # training pushes ride fused PushPull RPCs (one push + one pull each); the setup pull is a plain Pull
+        assert res["push_pull_rpcs"] == res["push_rpcs"] > 0
+        assert _v(m, "deltaps_worker_push_pull_rpcs_total", worker=w) == res["push_pull_rpcs"]
+        assert _v(m, "deltaps_worker_push_pull_rpc_seconds_count", worker=w) == res["push_pull_rpcs"]
+        assert _v(m, "deltaps_worker_push_rpc_seconds_count", worker=w) == 0
+        assert _v(m, "deltaps_worker_pull_rpcs_total", worker=w) == res["pull_rpcs"] > res["push_pull_rpcs"]
         assert _v(m, "deltaps_worker_pushed_raw_bytes_total", worker=w) == res["bytes_pushed_raw"]
         assert _v(m, "deltaps_worker_pushed_wire_bytes_total", worker=w) == res["bytes_pushed_wire"]
         assert _v(m, "deltaps_worker_compression_ratio", worker=w) == pytest.approx(

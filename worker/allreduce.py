@@ -167,7 +167,7 @@ def _train(cfg, rank, world_size, backend, device, bucket_cap_mb, DDP, local_opt
         "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else 0.0,
         "compute_s": total_step - comm - wait, "comm_s": comm, "wait_s": wait,
         "bytes_pushed_wire": int(sent), "bytes_pushed_raw": int(sent), "bytes_pulled_wire": int(sent),
-        "push_rpcs": 0, "pull_rpcs": 0,
+        "push_rpcs": 0, "pull_rpcs": 0, "push_pull_rpcs": 0,
         "final_test_accuracy": acc, "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "samples_per_s": cfg.steps * cfg.batch_size / wall if wall > 0 else 0.0,
         "model_params": param_count(model), "losses": losses,

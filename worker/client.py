@@ -17,7 +17,7 @@ from ps.optimizer import OptimizerConfig
 from ps.partition import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
 from ps.sync import parse_sync
 from ps.pull_codec import DELTA, FULL
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, chunk_from_tensor, decode_chunk, grpc_options
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, accumulate_chunk, chunk_from_tensor, grpc_options
 from worker.reliability import RECONNECT_OPTIONS, ShardSession
 
 
@@ -72,6 +72,8 @@ class PSClient:
         from compression import Compressor
         self.compressor = compressor or Compressor(codec)
         self.chunk_bytes = chunk_bytes
+        # raw data per PushPull message: its request and its answer (even a full-value one) stay below the limit
+        self.fused_bytes = max(chunk_bytes, min(2 * chunk_bytes, max_message_bytes - (1 << 20)))
         self.timeout_s = timeout_s
         # security: a ps.security.Security (token, TLS); None = token from $DELTAPS_TOKEN if set, plaintext
         from ps.security import Security
@@ -139,12 +141,14 @@ class PSClient:
     def _slice(t: torch.Tensor, k: Key) -> torch.Tensor:
         return t.detach().reshape(-1)[k.offset:k.offset + k.numel]
 
-    def _batches(self, keys: list[Key]):
-        """Group keys into requests of at most chunk_bytes of raw data (a single larger key goes alone)."""
+    def _batches(self, keys: list[Key], limit: int | None = None):
+        """Group keys into requests of at most `limit` (default chunk_bytes) of raw data (a single larger
+        key goes alone)."""
+        limit = limit or self.chunk_bytes
         batch, size = [], 0
         for k in keys:
             nbytes = k.numel * 4
-            if batch and size + nbytes > self.chunk_bytes:
+            if batch and size + nbytes > limit:
                 yield batch
                 batch, size = [], 0
             batch.append(k)
@@ -174,20 +178,44 @@ class PSClient:
     def _encode(self, k: Key, t: torch.Tensor, step: int) -> Payload:
         return self.compressor.compress(k.key, t, step=step, seed=zlib.crc32(f"{k.key}/{step}/{self.worker_id}".encode()))
 
+    def _push_request(self, batch: list[Key], grads: dict[str, torch.Tensor], step: int):
+        """(PushRequest, raw bytes) of one batch of keys, gradients encoded by the codec in force."""
+        chunks, raw = [], 0
+        for k in batch:
+            g = self._slice(grads[k.param], k)
+            chunks.append(chunk_from_payload(k.key, self._encode(k, g, step)))
+            raw += g.numel() * g.element_size()
+        req = pb.PushRequest(worker_id=self.worker_id, step=step, seq=self._next_seq(), grads=chunks,
+                             pulled_versions=[self.versions.get(k.key, 0) for k in batch])
+        return req, raw
+
     def push_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int) -> None:
         """Blocking push of some keys to one shard (split into messages of about chunk_bytes)."""
         for batch in self._batches(keys):
-            chunks, raw = [], 0
-            for k in batch:
-                g = self._slice(grads[k.param], k)
-                chunks.append(chunk_from_payload(k.key, self._encode(k, g, step)))
-                raw += g.numel() * g.element_size()
-            req = pb.PushRequest(worker_id=self.worker_id, step=step, seq=self._next_seq(), grads=chunks,
-                                 pulled_versions=[self.versions.get(k.key, 0) for k in batch])
+            req, raw = self._push_request(batch, grads, step)
             t0 = time.perf_counter()
             self.sessions[shard].push(req, self.timeout_s)
             self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_raw=raw,
-                           bytes_pushed_wire=sum(len(c.data) + len(c.header) for c in chunks))
+                           bytes_pushed_wire=sum(len(c.data) + len(c.header) for c in req.grads))
+
+    def push_pull_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int,
+                       min_version: int, out: dict[str, torch.Tensor]) -> float:
+        """Push some keys to one shard and pull their next values (delta pulls into `out`, the shared
+        view) in one PushPull round trip per message; returns the server-side wait. Messages hold up to
+        fused_bytes (2 x chunk_bytes, less when max_message_bytes is tight) of raw data, so a step
+        of a model a few chunks large costs about one RPC per shard instead of a push and a pull per
+        parameter."""
+        waited = 0.0
+        for batch in self._batches(keys, self.fused_bytes):
+            req, raw = self._push_request(batch, grads, step)
+            t0 = time.perf_counter()
+            rep = self.sessions[shard].push_pull(req, lambda batch=batch: self._pull_request(batch, min_version, True),
+                                                 self.timeout_s + 10)
+            dt = time.perf_counter() - t0
+            self.stats.add(push_pull_rpcs=1, push_rpcs=1, push_pull_s=dt, bytes_pushed_raw=raw,
+                           bytes_pushed_wire=sum(len(c.data) + len(c.header) for c in req.grads))
+            waited = max(waited, self._take_pull(shard, batch, rep.pull, out, True))
+        return waited
 
     def push(self, grads: dict[str, torch.Tensor], step: int) -> None:
         for f in self.push_async(grads, step):
@@ -205,33 +233,40 @@ class PSClient:
         compressed deltas (or nothing) for keys it already holds (see ps/pull_codec.py)."""
         waited = 0.0
         for batch in self._batches(keys):
-            def build(batch=batch):   # rebuilt per attempt: a restarted shard needs full values again
-                have = [self.view_versions.get(k.key, -1) for k in batch] if delta else []
-                return pb.PullRequest(worker_id=self.worker_id, keys=[k.key for k in batch], min_version=min_version,
-                                      timeout_s=self.timeout_s, have_versions=have)
             t0 = time.perf_counter()
-            rep = self.sessions[shard].call("Pull", build, self.timeout_s + 10)
-            self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,
-                           bytes_pulled_wire=sum(len(c.data) + len(c.header) for c in rep.values))
-            kinds = list(rep.kinds) or [FULL] * len(rep.values)
-            if len(rep.values) != len(batch) or len(kinds) != len(batch):
-                raise PSError(None, f"shard {shard} answered {len(rep.values)} values for {len(batch)} keys")
-            for k, c, v, kind in zip(batch, rep.values, rep.versions, kinds):
-                if c.key != k.key:
-                    raise PSError(None, f"server returned {c.key!r} for {k.key!r}")
-                dst = out[k.param].view(-1)[k.offset:k.offset + k.numel]
-                if kind == FULL:
-                    if len(c.data) != k.numel * 4:
-                        raise PSError(None, f"server returned {len(c.data)} bytes for {k.key!r} ({k.numel} floats)")
-                    np.copyto(dst.numpy(), np.frombuffer(c.data, dtype=np.float32))
-                elif kind == DELTA:
-                    dst.add_(decode_chunk(c).view(-1))
-                self.versions[k.key] = v
-                if delta:
-                    self.view_versions[k.key] = v
-            waited = max(waited, rep.waited_s)
-            self._note_codec(rep.codec, rep.codec_epoch)
+            rep = self.sessions[shard].call("Pull", lambda batch=batch: self._pull_request(batch, min_version, delta),
+                                            self.timeout_s + 10)
+            self.stats.add(pull_s=time.perf_counter() - t0)
+            waited = max(waited, self._take_pull(shard, batch, rep, out, delta))
         return waited
+
+    def _pull_request(self, batch: list[Key], min_version: int, delta: bool):
+        # rebuilt per attempt: a restarted shard needs full values again
+        have = [self.view_versions.get(k.key, -1) for k in batch] if delta else []
+        return pb.PullRequest(worker_id=self.worker_id, keys=[k.key for k in batch], min_version=min_version,
+                              timeout_s=self.timeout_s, have_versions=have)
+
+    def _take_pull(self, shard: int, batch: list[Key], rep, out: dict[str, torch.Tensor], delta: bool) -> float:
+        """Check one PullResponse against the keys asked for and write it into out; returns its wait."""
+        self.stats.add(pull_rpcs=1, bytes_pulled_wire=sum(len(c.data) + len(c.header) for c in rep.values))
+        kinds = list(rep.kinds) or [FULL] * len(rep.values)
+        if len(rep.values) != len(batch) or len(kinds) != len(batch):
+            raise PSError(None, f"shard {shard} answered {len(rep.values)} values for {len(batch)} keys")
+        for k, c, v, kind in zip(batch, rep.values, rep.versions, kinds):
+            if c.key != k.key:
+                raise PSError(None, f"server returned {c.key!r} for {k.key!r}")
+            dst = out[k.param].view(-1)[k.offset:k.offset + k.numel]
+            if kind == FULL:
+                if len(c.data) != k.numel * 4:
+                    raise PSError(None, f"server returned {len(c.data)} bytes for {k.key!r} ({k.numel} floats)")
+                np.copyto(dst.numpy(), np.frombuffer(c.data, dtype=np.float32))
+            elif kind == DELTA:
+                accumulate_chunk(c, dst)
+            self.versions[k.key] = v
+            if delta:
+                self.view_versions[k.key] = v
+        self._note_codec(rep.codec, rep.codec_epoch)
+        return rep.waited_s
 
     def pull(self, names=None, min_version: int = 0, out: dict[str, torch.Tensor] | None = None,
              delta: bool = False):

@@ -60,7 +60,7 @@ def _result(cfg, rank, step_s, blocked, wait, losses, wall, ev, params, sent, pu
         "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else 0.0,
         "compute_s": total - blocked, "comm_s": blocked - wait, "wait_s": wait,
         "bytes_pushed_wire": int(sent), "bytes_pushed_raw": int(sent), "bytes_pulled_wire": int(pulled),
-        "push_rpcs": 0, "pull_rpcs": 0,
+        "push_rpcs": 0, "pull_rpcs": 0, "push_pull_rpcs": 0,
         "final_test_accuracy": ev["test_accuracy"], "final_test_auc": ev["test_auc"], "final_test_loss": ev["test_loss"],
         "oracle_auc": ev["oracle_auc"], "oracle_loss": ev["oracle_loss"],
         "final_train_loss": sum(losses[-5:]) / max(1, len(losses[-5:])),
@@ -140,7 +140,7 @@ def train_ctr_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
     opt = DistributedOptimizer(local_optimizer(cfg, model.parameters()), model, servers=servers, rank=rank,
                                world_size=world_size, sync=cfg.sync, codec=cfg.codec, pull_codec=cfg.pull_codec,
                                compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
-                               max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.timeout_s, security=security,
+                               max_message_bytes=cfg.max_message_bytes, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s, security=security,
                                reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps)
 
     def body(step, ids, dense, y):

@@ -31,17 +31,16 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 class ObservedCommStats(CommStats):
     """CommStats that also feeds push/pull RPC latency histograms."""
 
-    def __init__(self, push_hist, pull_hist, start: dict | None = None):
+    def __init__(self, push_hist, pull_hist, push_pull_hist, start: dict | None = None):
         super().__init__()
         self.c.update(start or {})
-        self._push, self._pull = push_hist, pull_hist
+        self._hists = {"push_s": push_hist, "pull_s": pull_hist, "push_pull_s": push_pull_hist}
 
     def add(self, **kw) -> None:
         super().add(**kw)
-        if "push_s" in kw:
-            self._push.observe(kw["push_s"])
-        if "pull_s" in kw:
-            self._pull.observe(kw["pull_s"])
+        for key, hist in self._hists.items():
+            if key in kw:
+                hist.observe(kw[key])
 
 
 class _ClientCollector:
@@ -60,8 +59,9 @@ class _ClientCollector:
                 ("deltaps_worker_pushed_raw_bytes", "bytes_pushed_raw", "Uncompressed bytes of gradients pushed"),
                 ("deltaps_worker_pushed_wire_bytes", "bytes_pushed_wire", "Wire bytes of gradients pushed (after codec)"),
                 ("deltaps_worker_pulled_wire_bytes", "bytes_pulled_wire", "Wire bytes of parameters pulled"),
-                ("deltaps_worker_push_rpcs", "push_rpcs", "Push RPCs completed"),
-                ("deltaps_worker_pull_rpcs", "pull_rpcs", "Pull RPCs completed"),
+                ("deltaps_worker_push_rpcs", "push_rpcs", "Pushes completed (plain Push RPCs + PushPull RPCs)"),
+                ("deltaps_worker_pull_rpcs", "pull_rpcs", "Pulls completed (plain Pull RPCs + PushPull RPCs)"),
+                ("deltaps_worker_push_pull_rpcs", "push_pull_rpcs", "Fused PushPull RPCs completed"),
         ):
             f = CounterMetricFamily(name, doc, labels=["worker"])
             f.add_metric([w], float(snap.get(key, 0)))
@@ -156,6 +156,9 @@ class WorkerMetrics:
                                 buckets=LATENCY_BUCKETS, registry=r).labels(*w)
         self.pull_s = Histogram("deltaps_worker_pull_rpc_seconds", "Latency of one Pull RPC (includes server wait)",
                                 ["worker"], buckets=LATENCY_BUCKETS, registry=r).labels(*w)
+        self.push_pull_s = Histogram("deltaps_worker_push_pull_rpc_seconds",
+                                     "Latency of one fused PushPull RPC (push, server wait for the step, pull)",
+                                     ["worker"], buckets=LATENCY_BUCKETS, registry=r).labels(*w)
         self.loss = Gauge("deltaps_worker_loss", "Training loss of the last step", ["worker"], registry=r).labels(*w)
         self.last_step = Gauge("deltaps_worker_last_step_timestamp_seconds",
                                "Unix time the last step finished (alert when it stops moving)", ["worker"],
@@ -183,7 +186,7 @@ class WorkerMetrics:
         self.client = opt.client
         old = opt.client.stats
         with old.lock:
-            opt.client.stats = ObservedCommStats(self.push_s, self.pull_s, dict(old.c))
+            opt.client.stats = ObservedCommStats(self.push_s, self.pull_s, self.push_pull_s, dict(old.c))
         self._last_timing = {k: opt.timing.get(k, 0.0) for k in ("blocked_s", "wait_s")}
 
     def on_step(self, step_seconds: float, loss: float, samples: int) -> None:

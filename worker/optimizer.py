@@ -1,4 +1,4 @@
-"""Horovod-style wrapper: gradients go to the parameter servers as soon as backward produces them.
+"""Horovod-style wrapper: gradients go to the parameter servers bucket by bucket while backward runs.
 
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model, servers=[...],
                                rank=r, world_size=w)
@@ -17,15 +17,35 @@ from ps.optimizer import OptimizerConfig
 from worker.client import PSClient
 
 
+DEFAULT_BUCKET_BYTES = 25 << 20     # as DDP's bucket_cap_mb default
+
+
+def make_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[str]]:
+    """Parameter names grouped in backward order (reverse of registration) into buckets of about
+    bucket_bytes of fp32 gradient (a larger parameter is a bucket of its own); 0 = one per parameter."""
+    buckets, size = [[]], 0
+    for name, p in reversed(named):
+        nbytes = p.numel() * 4
+        if buckets[-1] and (bucket_bytes <= 0 or size + nbytes > bucket_bytes):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return [b for b in buckets if b]
+
+
 class DistributedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                  named_parameters=None, client: PSClient | None = None, servers=None, rank: int = 0,
-                 world_size: int = 1, sync: str = "bsp", backward_passes_per_step: int = 1, **client_kw):
+                 world_size: int = 1, sync: str = "bsp", backward_passes_per_step: int = 1,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, **client_kw):
         self.optimizer = optimizer
         named = list(named_parameters if named_parameters is not None else model.named_parameters())
         self.named = [(n, p) for n, p in named if p.requires_grad]
         if not self.named:
             raise ValueError("no trainable parameters to distribute")
+        if bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
         self.client = client or PSClient(servers, rank, world_size, sync=sync,
                                          optimizer=OptimizerConfig.from_torch(optimizer), **client_kw)
         self.backward_passes_per_step = backward_passes_per_step
@@ -33,7 +53,12 @@ class DistributedOptimizer:
         self.codec_switches: list[tuple[int, str]] = []   # (first step using it, codec)
         self.timing = {"wait_s": 0.0, "blocked_s": 0.0, "steps": 0}
         self._staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named}
-        self._pending: dict[str, list[Future]] = {}
+        # Fusion (DDP buckets / Horovod tensor fusion): a bucket goes out once all its gradients exist,
+        # as one PushPull RPC per shard it touches (split only past the client's fused_bytes).
+        self.buckets = make_buckets(self.named, bucket_bytes)
+        self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
+        self._ready: dict[int, dict[str, torch.Tensor]] = {}   # bucket -> gradients produced so far
+        self._pending: dict[int, list[Future]] = {}            # bucket -> its PushPull futures
         self._passes: dict[str, int] = {}
         self.client.setup([(n, p.detach()) for n, p in self.named])
         self.clock = self.client.start_step    # a worker (re)joining a running job starts at its current step
@@ -52,26 +77,31 @@ class DistributedOptimizer:
         return hook
 
     def _start(self, name: str, grad: torch.Tensor) -> None:
-        """Push this parameter's gradient, then pull its next value, in the background."""
+        """Hand this parameter's gradient to its bucket; a complete bucket is pushed (and its next values
+        pulled) in the background."""
+        # no copy: step() waits for the pushes before autograd can touch p.grad again, and zero_grad
+        # without set_to_none synchronises first
         grad = grad.detach() / self.backward_passes_per_step if self.backward_passes_per_step > 1 else grad.detach()
-        step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
-        keys_by_shard = self.client._by_shard([name])
-        self._pending[name] = [
-            # no copy: step() waits for these before autograd can touch p.grad again, and zero_grad
-            # without set_to_none synchronises first
-            self.client.pool.submit(self._push_pull, shard, keys, {name: grad}, step, min_v)
-            for shard, keys in keys_by_shard.items()]
+        b = self._bucket_of[name]
+        ready = self._ready.setdefault(b, {})
+        ready[name] = grad
+        if len(ready) == len(self.buckets[b]):
+            self._launch(b)
 
-    def _push_pull(self, shard, keys, grads, step, min_version) -> float:
-        self.client.push_keys(shard, keys, grads, step)
-        return self.client.pull_keys(shard, keys, min_version, self._staging, delta=True)
+    def _launch(self, b: int) -> None:
+        grads = self._ready.pop(b)
+        step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
+        self._pending[b] = [self.client.pool.submit(self.client.push_pull_keys, shard, keys, grads, step, min_v,
+                                                    self._staging)
+                            for shard, keys in self.client._by_shard(self.buckets[b]).items()]
 
     # ---- torch.optim surface ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for name, p in self.named:       # parameters backward did not reach still take part
-            if name not in self._pending:
+            b = self._bucket_of[name]
+            if b not in self._pending and name not in self._ready.get(b, {}):
                 self._start(name, p.grad if p.grad is not None else torch.zeros_like(p))
         t0 = time.perf_counter()
         waited = max((f.result() for fs in self._pending.values() for f in fs), default=0.0)

@@ -194,6 +194,7 @@ def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: 
             "bytes_pushed_raw": int(comm.get("bytes_pushed_raw", 0)),
             "bytes_pulled_wire": int(comm.get("bytes_pulled_wire", 0)),
             "push_rpcs": int(comm.get("push_rpcs", 0)), "pull_rpcs": int(comm.get("pull_rpcs", 0)),
+            "push_pull_rpcs": int(comm.get("push_pull_rpcs", 0)),
             "final_test_accuracy": acc, "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
             # a replica's samples are counted once, not once per stage, so the launch summary's sum is right
             "samples_per_s": cfg.steps * cfg.batch_size / wall / S if wall > 0 else 0.0,

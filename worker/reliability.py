@@ -151,7 +151,7 @@ class ShardSession:
             try:
                 return self._stub_call(method, req, timeout)
             except PSError as e:
-                evicted = (method == "Push" and e.code == grpc.StatusCode.FAILED_PRECONDITION
+                evicted = (method in ("Push", "PushPull") and e.code == grpc.StatusCode.FAILED_PRECONDITION
                            and "not a live member" in str(e))
                 if e.code not in RETRYABLE and e.code != grpc.StatusCode.ABORTED and not evicted:
                     raise
@@ -174,6 +174,25 @@ class ShardSession:
         rep = self.call("Push", lambda: req, timeout)
         with self.lock:
             self._trim(rep.durable_step)
+        return rep
+
+    def push_pull(self, push_req, build_pull, timeout: float):
+        """A PushPull: the push half is buffered for replay exactly like push(); the pull half is rebuilt
+        per attempt (a restarted shard needs full values again). A retry after a lost answer gets the
+        push acknowledged as a duplicate, never applied twice."""
+        from protos import pb
+        with self.lock:
+            if self.buffering:
+                self.buffer.append((push_req.step, push_req.seq, push_req))
+                self._bound()
+
+        def build():
+            pull = build_pull()
+            push_req.server_id = pull.server_id = self.server_id
+            return pb.PushPullRequest(push=push_req, pull=pull)
+        rep = self.call("PushPull", build, timeout)
+        with self.lock:
+            self._trim(rep.push.durable_step)
         return rep
 
     def _trim(self, durable_step: int) -> None:

@@ -80,7 +80,7 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
     opt = DistributedOptimizer(local_optimizer(cfg, model.parameters()), model, servers=servers, rank=rank,
                                world_size=world_size, sync=cfg.sync, codec=cfg.codec, pull_codec=cfg.pull_codec,
                                compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
-                               max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.timeout_s,
+                               max_message_bytes=cfg.max_message_bytes, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
                                security=security, reconnect_deadline_s=cfg.reconnect_deadline_s,
                                replay_steps=cfg.replay_steps)
     stopping = _install_sigterm(opt)
@@ -151,6 +151,7 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
         "bytes_pushed_raw": int(comm.get("bytes_pushed_raw", 0)),
         "bytes_pulled_wire": int(comm.get("bytes_pulled_wire", 0)),
         "push_rpcs": int(comm.get("push_rpcs", 0)), "pull_rpcs": int(comm.get("pull_rpcs", 0)),
+        "push_pull_rpcs": int(comm.get("push_pull_rpcs", 0)),
         "final_test_accuracy": acc, "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "samples_per_s": cfg.steps * cfg.batch_size / wall if wall > 0 else 0.0,
         "model_params": param_count(model), "losses": losses,

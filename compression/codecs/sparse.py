@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from compression import buffers, cuda, rng, wire
@@ -31,6 +32,22 @@ def check_ratio(name: str, ratio) -> float:
     return float(ratio)
 
 
+def _at_least(x: torch.Tensor, t: float) -> torch.Tensor:
+    """Ascending int64 indices of |x| >= t. NumPy, block by block: its abs/compare/flatnonzero pass is
+    ~3x cheaper than torch's nonzero on CPU, and the block temporaries stay in L2."""
+    xn = x.numpy()
+    n = xn.size
+    tmp = np.empty(min(n, buffers.BLOCK), dtype=xn.dtype)
+    mask = np.empty(tmp.size, dtype=bool)
+    parts = []
+    for a, b in buffers.blocks(n):
+        m = np.greater_equal(np.abs(xn[a:b], out=tmp[:b - a]), t, out=mask[:b - a])
+        hits = np.flatnonzero(m)
+        if hits.size:
+            parts.append(hits + a)
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)
+
+
 def topk_indices(x: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
     """Indices of exactly the k largest |x| (ties: lower index first), ascending int64.
 
@@ -44,15 +61,12 @@ def topk_indices(x: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:
         return torch.arange(n)
     cand = None
     if n > 4 * SAMPLE:
-        g = torch.Generator().manual_seed(seed)
-        sample = x[torch.randint(n, (SAMPLE,), generator=g)].abs_()
+        pick = np.random.default_rng(seed & ((1 << 63) - 1)).integers(0, n, SAMPLE)   # ~6x cheaper than torch's
+        sample = torch.from_numpy(np.abs(x.numpy()[pick]))
         ks = min(SAMPLE, int(SAMPLE * k / n * 1.25 + 3 * (SAMPLE * k / n) ** 0.5) + 2)
-        tmp = torch.empty(min(n, buffers.BLOCK))
         while ks < SAMPLE:
             t = float(torch.topk(sample, ks, sorted=False).values.min())
-            parts = [torch.nonzero(torch.abs(x[a:b], out=tmp[:b - a]) >= t).view(-1).add_(a)
-                     for a, b in buffers.blocks(n)]
-            cand = torch.cat(parts)
+            cand = _at_least(x, t)
             if cand.numel() >= k:
                 break
             cand, ks = None, ks * 4
