@@ -312,6 +312,7 @@ def plot(report: dict, path: str) -> None:
         sp = m.get("speedup_vs_allreduce")
         ax1.text(i, bottom[i], f"{bottom[i]:.0f} ms" + (f"\nx{sp:.2f}" if sp else ""), ha="center", va="bottom",
                  fontsize=8)
+    ax1.set_ylim(0, max(bottom, default=0) * 1.15 or 1)    # headroom for the labels above the bars
     ax1.set_xticks(list(x), modes, rotation=15, fontsize=8)
     ax1.set_ylabel("mean step time (ms)")
     ax1.set_title(f"step split, {report['workers']} workers @ {report['bandwidth']}"
