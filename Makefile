@@ -57,7 +57,7 @@ bench: setup
 		--modes allreduce,ps:none,ps:int8,ps:topk:ratio=0.01 --json bench-compare.json --plot bench-compare.png
 
 # deltaps advise: predicted vs measured step time on the bench compare grid (2 and 4 workers x 100mbit,
-# 1gbit, 10gbit x 4 modes; needs root for the shaped namespaces; ~15 minutes; reports kept in /tmp/deltaps-advise-validate)
+# 1gbit, 10gbit x 4 modes; needs root for the shaped namespaces; ~25 minutes; reports kept in /tmp/deltaps-advise-validate)
 advise-validate: setup
 	$(BIN)/python -m ps.advise validate --workers 2,4 --bandwidths 100mbit,1gbit,10gbit --steps 30 --dir /tmp/deltaps-advise-validate
 

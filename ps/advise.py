@@ -76,7 +76,7 @@ def probe_compute(hidden: int, layers: int, batch: int, concurrency: int, steps:
     return {k: statistics.median(o[k] for o in outs) for k in outs[0]}
 
 
-def probe_cpu_kernels(grad_bytes: int, repeats: int = 5) -> dict:
+def probe_cpu_kernels(grad_bytes: int, repeats: int = 15) -> dict:
     """Server optimizer (fused Adam, as ps/optimizer.py) and elementwise-sum throughput, bytes/s."""
     import torch
     from ps.optimizer import KeyOptimizer, OptimizerConfig
@@ -99,7 +99,7 @@ def probe_cpu_kernels(grad_bytes: int, repeats: int = 5) -> dict:
     return {"apply_Bps": n * 4 / apply_s, "reduce_Bps": n * 4 / statistics.median(t)}
 
 
-def probe_codecs(grad_bytes: int, specs: list[str], repeats: int = 3) -> dict:
+def probe_codecs(grad_bytes: int, specs: list[str], repeats: int = 15) -> dict:
     import torch
     from compression.bench import run_codec_bench
     threads = torch.get_num_threads()
@@ -112,48 +112,72 @@ def probe_codecs(grad_bytes: int, specs: list[str], repeats: int = 3) -> dict:
                 "ratio": r["compression_ratio"]} for s, r in res["codecs"].items()}
 
 
-def probe_grpc(cycles: int = 60, big_bytes: int = 4 << 20, codecs=()) -> dict:
+_PS_CYCLE_PROBE = r"""
+import json, statistics, sys, time
+import torch
+torch.set_num_threads(1)
+from ps.malloc import tune_malloc
+tune_malloc()                      # as `deltaps worker` runs (without it 4 MiB messages page-fault in anew)
+from ps.optimizer import OptimizerConfig
+from worker.client import PSClient
+addr, codec, numel, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+c = PSClient([addr], 0, 1, sync="bsp", optimizer=OptimizerConfig("sgd", lr=1e-6), timeout_s=60.0, codec=codec)
+t = torch.randn(numel) if codec != "none" else torch.zeros(numel)
+c.setup([("p", t)])
+out = {"p": torch.empty(numel)}
+c.pull(["p"], out=out, delta=True)
+keys, times = c.by_param["p"], []
+for step in range(n + 5):
+    t0 = time.perf_counter()
+    c.push_pull_keys(0, keys, {"p": t}, step, step + 1, out)   # the training path: one PushPull per step
+    times.append(time.perf_counter() - t0)
+c.close()
+print(json.dumps(statistics.median(times[5:])))
+"""
+
+
+def ps_cycle_time(numel: int, codec: str = "none", n: int = 60) -> float:
+    """Median PushPull cycle (push, delta pull) of a worker process with one tensor of numel floats
+    against one real `deltaps server` on loopback (world size 1)."""
+    from ps.launch import _stop, _wait_port
+    pf = os.path.join(tempfile.mkdtemp(prefix="deltaps-advise-rpc-"), "port")
+    srv = subprocess.Popen([sys.executable, "-m", "ps", "server", "--host", "127.0.0.1", "--port", "0",
+                            "--shard-id", "0", "--num-shards", "1", "--port-file", pf],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_repo_env())
+    client = None
+    try:
+        addr = f"127.0.0.1:{_wait_port(pf, srv)}"
+        client = subprocess.Popen([sys.executable, "-c", _PS_CYCLE_PROBE, addr, codec, str(numel), str(n)],
+                                  stdout=subprocess.PIPE, text=True, env=_repo_env())
+        out = client.communicate(timeout=300)[0]
+        if client.returncode:
+            raise RuntimeError(f"PushPull cycle probe ({codec}) failed")
+        return float(out.strip().splitlines()[-1])
+    finally:
+        if client and client.poll() is None:
+            client.kill()
+        _stop([srv])
+
+
+def probe_grpc(cycles: int = 60, big_bytes: int = 4 << 20, codecs=(), rounds: int = 2) -> dict:
     """Per-call and per-byte cost of the deltaps gRPC path: PushPull cycles of a tiny and of a big
     uncompressed tensor against a real `deltaps server` subprocess on loopback (world size 1, SGD);
     then the big tensor once per codec (pull codec `auto`, delta pulls as in training), whose cycle
     time the model compares with its own sum of codec kernels + gRPC bytes (see calibration_for)."""
-    import torch
-    from ps.launch import _stop, _wait_port
-    from ps.optimizer import OptimizerConfig
-    from worker.client import PSClient
-
-    def cycle_time(numel: int, codec: str = "none", n: int = cycles) -> float:
-        d = tempfile.mkdtemp(prefix="deltaps-advise-rpc-")
-        pf = os.path.join(d, "port")
-        srv = subprocess.Popen([sys.executable, "-m", "ps", "server", "--host", "127.0.0.1", "--port", "0",
-                                "--shard-id", "0", "--num-shards", "1", "--port-file", pf],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_repo_env())
-        try:
-            port = _wait_port(pf, srv)
-            c = PSClient([f"127.0.0.1:{port}"], 0, 1, sync="bsp", optimizer=OptimizerConfig("sgd", lr=1e-6),
-                         timeout_s=30.0, codec=codec)
-            t = torch.randn(numel) if codec != "none" else torch.zeros(numel)
-            c.setup([("p", t)])
-            out = {"p": torch.empty(numel)}
-            c.pull(["p"], out=out, delta=True)
-            times = []
-            keys = c.by_param["p"]
-            for step in range(n + 5):
-                t0 = time.perf_counter()
-                c.push_pull_keys(0, keys, {"p": t}, step, step + 1, out)   # the training path: one RPC
-                times.append(time.perf_counter() - t0)
-            c.close()
-            return statistics.median(times[5:])
-        finally:
-            _stop([srv])
-
-    small = cycle_time(16)
-    big = cycle_time(big_bytes // 4)
-    sgd = probe_cpu_kernels(big_bytes, 3)["reduce_Bps"]      # SGD apply ~ one axpy over the tensor
+    # rounds interleave the configurations and keep each one's fastest median: noise from the rest of
+    # the host only ever adds time (the job's own contention is measured by probe_ps_host)
+    specs = [cm.canonical(c) for c in codecs]
+    configs = [("small", 16, "none", cycles), ("big", big_bytes // 4, "none", cycles)]
+    configs += [(c, big_bytes // 4, c, cycles // 2) for c in specs if c != "none"]
+    got: dict = {}
+    for _ in range(max(1, rounds)):
+        for name, numel, codec, n in configs:
+            got[name] = min(got.get(name, math.inf), ps_cycle_time(numel, codec, n))
+    small, big = got.pop("small"), got.pop("big")
+    sgd = probe_cpu_kernels(big_bytes)["reduce_Bps"]      # SGD apply ~ one axpy over the tensor
     per_byte = max(1e-12, big - small - big_bytes / sgd) / (2 * big_bytes)
-    per_codec = {c: cycle_time(big_bytes // 4, c, 30) for c in codecs if cm.canonical(c) != "none"}
     return {"rpc_s": small, "grpc_Bps": 1.0 / per_byte, "cycle_small_s": small, "cycle_big_s": big,
-            "cycle_bytes": big_bytes, "cycle_codec_s": per_codec}
+            "cycle_bytes": big_bytes, "cycle_codec_s": got}
 
 
 _PING_SERVER = r"""
@@ -251,13 +275,149 @@ def probe_host_network(streams=(1, 2, 4), prefix: str = "dpsa", nbytes: int = 32
     return out
 
 
+_ALLREDUCE_PROBE = r"""
+import json, os, statistics, sys, time
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+rank, world, addr, port, nbytes, bucket, n = sys.argv[1:8]
+rank, world, nbytes, bucket, n = int(rank), int(world), int(nbytes), int(bucket), int(n)
+dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+flat = torch.randn(max(1, nbytes // 4))
+parts = flat.split(max(1, bucket // 4))     # DDP's buckets, reduced one after another
+ts = []
+for _ in range(n + 3):
+    dist.barrier()
+    t0 = time.perf_counter()
+    for b in parts:
+        dist.all_reduce(b)
+    ts.append(time.perf_counter() - t0)
+dist.destroy_process_group()
+if rank == 0:
+    print(json.dumps(statistics.median(ts[3:])))
+"""
+
+
+def probe_allreduce(grad_bytes: int, procs=(2, 4), prefix: str = "dpsa", bucket_bytes: int = 25 << 20,
+                    repeats: int = 30) -> dict:
+    """Seconds per step of gloo's ring allreduce of the model's gradient with k processes of this
+    host, over unshaped namespace links (plain loopback where namespaces are unavailable): the CPU
+    floor of allreduce on a shared host (copies, sums, veth), which a shaped link cannot go below."""
+    from ps import netns
+    out = {}
+    for k in sorted(p for p in set(procs) if p >= 2):
+        ok, _ = netns.shaping_available()
+        topo = netns.Topology(k, rate=None, prefix=prefix) if ok else None
+        try:
+            if topo:
+                topo.up()
+            addr = topo.addr(0) if topo else "127.0.0.1"
+            port = "29611" if topo else str(_free_port())
+            procs_ = []
+            for r in range(k):
+                env = {**_repo_env(), "GLOO_SOCKET_IFNAME": topo.ifname(r) if topo else "lo"}
+                cmd = [sys.executable, "-c", _ALLREDUCE_PROBE, str(r), str(k), addr, port, str(grad_bytes),
+                       str(bucket_bytes), str(repeats)]
+                procs_.append(subprocess.Popen((topo.exec_prefix(r) if topo else []) + cmd, env=env,
+                                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+            outs = [p.communicate(timeout=300)[0] for p in procs_]
+            if procs_[0].returncode != 0:
+                raise RuntimeError(f"allreduce probe with {k} processes failed (exit {procs_[0].returncode})")
+            out[k] = float(outs[0].strip())
+        finally:
+            if topo:
+                topo.down()
+    return out
+
+
+_PS_STEP_PROBE = r"""
+import json, statistics, sys, time
+import torch
+torch.set_num_threads(1)
+from ps.malloc import tune_malloc
+tune_malloc()
+from ps.config import TrainConfig
+from worker.optimizer import DistributedOptimizer
+from worker.train import local_optimizer
+addrs, rank, world, codec, tensors, n = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]), int(sys.argv[6])
+torch.manual_seed(rank)
+named = [(name, torch.nn.Parameter(torch.zeros(numel))) for name, numel in tensors]
+grads = {name: torch.randn(numel) * 1e-3 for name, numel in tensors}
+opt = DistributedOptimizer(local_optimizer(TrainConfig(), [p for _, p in named]), named_parameters=named,
+                           servers=addrs, rank=rank, world_size=world, sync="bsp", codec=codec)
+ts = []
+for step in range(n + 5):
+    t0 = time.perf_counter()
+    for name, p in reversed(named):          # handed over in backward's order, as the hooks do
+        p.grad = grads[name]
+        opt._start(name, p.grad)
+    opt.step()
+    ts.append(time.perf_counter() - t0)
+opt.close()
+print(json.dumps(statistics.median(ts[5:])))
+"""
+
+
+def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = "dpsa", steps: int = 30) -> dict:
+    """{codec: {k: s}}: the training step's PS path alone (DistributedOptimizer: bucketed PushPulls,
+    codec kernels, BSP wait, loading the pulled values; no forward/backward) of k worker processes with
+    the model's tensors against `shards` real `deltaps server`s, all on this host over unshaped
+    namespace links (loopback without namespaces): the PS counterpart of probe_allreduce, the floor
+    a shaped link cannot go below when every process shares these cores."""
+    from ps import netns
+    from ps.launch import _stop, _wait_port
+    out: dict = {}
+    for k in sorted(p for p in set(procs) if p >= 2):
+        ok, _ = netns.shaping_available()
+        topo = netns.Topology(k + shards, rate=None, prefix=prefix) if ok else None
+        try:
+            if topo:
+                topo.up()
+            for codec in codecs:
+                tmp = tempfile.mkdtemp(prefix="deltaps-advise-ps-")
+                host = [topo.addr(i) if topo else "127.0.0.1" for i in range(k + shards)]
+                srvs = [subprocess.Popen((topo.exec_prefix(i) if topo else []) + [
+                            sys.executable, "-m", "ps", "server", "--host", host[i], "--port", "0", "--shard-id",
+                            str(i), "--num-shards", str(shards), "--port-file", os.path.join(tmp, f"p{i}")],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_repo_env()) for i in range(shards)]
+                clients = []
+                try:
+                    addrs = ",".join(f"{host[i]}:{_wait_port(os.path.join(tmp, f'p{i}'), s)}" for i, s in enumerate(srvs))
+                    clients = [subprocess.Popen((topo.exec_prefix(shards + r) if topo else []) + [
+                                   sys.executable, "-c", _PS_STEP_PROBE, addrs, str(r), str(k), codec,
+                                   json.dumps([[n, int(m)] for n, m in tensors]), str(steps)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_repo_env())
+                               for r in range(k)]
+                    outs = [c.communicate(timeout=300)[0] for c in clients]
+                    if any(c.returncode for c in clients):
+                        raise RuntimeError(f"PS step probe ({codec}, {k} workers, {shards} shards) failed")
+                    out.setdefault(cm.canonical(codec), {})[k] = statistics.median(
+                        float(o.strip().splitlines()[-1]) for o in outs)
+                finally:
+                    for c in clients:
+                        if c.poll() is None:
+                            c.kill()
+                    _stop(srvs)
+        finally:
+            if topo:
+                topo.down()
+    return out
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def calibrate(hidden: int, layers: int, batch_size: int, bandwidths: list[str], concurrency=(1, 2, 4),
-              codecs=None, prefix: str = "dpsa", log=print) -> dict:
+              codecs=None, prefix: str = "dpsa", log=print, shards: int = 2) -> dict:
     """Run every probe; returns a profile (JSON-able)."""
     tensors = cm.mlp_tensors(hidden, layers)
     G = 4 * sum(n for _, n in tensors)
     codecs = codecs or [s.split(":", 1)[1] for s in DEFAULT_STRATEGIES if s.startswith("ps:")]
     specs = sorted({cm.canonical(c) for c in codecs} | {cm.pull_codec_for(c) for c in codecs})
+    specs_push = sorted({cm.canonical(c) for c in codecs})
     t0 = time.perf_counter()
     prof = {"kind": "deltaps-advise-profile", "host_cores": os.cpu_count(),
             "model": {"hidden": hidden, "layers": layers, "batch_size": batch_size, "tensors": tensors,
@@ -276,6 +436,12 @@ def calibrate(hidden: int, layers: int, batch_size: int, bandwidths: list[str], 
         prof["networks"][bw] = probe_network(bw, streams=tuple(sorted(set([1] + list(concurrency)))), prefix=prefix)
     log("advise calibrate: host veth throughput (unshaped) ...")
     prof["host_network_Bps"] = probe_host_network(tuple(sorted(set([1] + list(concurrency)))), prefix=prefix)
+    log("advise calibrate: gloo allreduce on this host (unshaped) ...")
+    prof["allreduce_host_s"] = probe_allreduce(G, tuple(sorted(set([2] + list(concurrency)))), prefix=prefix)
+    log(f"advise calibrate: PS step path, {shards} shards, on this host (unshaped) ...")
+    prof["ps_host_s"] = probe_ps_host(tensors, specs_push, tuple(sorted(set([2] + list(concurrency)))), shards,
+                                      prefix=prefix)
+    prof["ps_host_shards"] = shards
     prof["calibrate_s"] = time.perf_counter() - t0
     prof["loadavg"] = os.getloadavg()[0]
     return prof
@@ -290,7 +456,8 @@ def merge_profiles(docs: list[dict]) -> dict:
         if d.get("kind") == "deltaps-advise-profile":
             for key in ("compute", "networks", "accuracy_delta", "measured_compression_ratio", "codecs"):
                 out[key].update(d.get(key, {}))
-            for key in ("model", "cpu", "grpc", "host_cores", "host_network_Bps"):
+            for key in ("model", "cpu", "grpc", "host_cores", "host_network_Bps", "allreduce_host_s", "ps_host_s",
+                        "ps_host_shards"):
                 if key in d:
                     out[key] = d[key]
             out["sources"].append("calibration")
@@ -374,7 +541,13 @@ def calibration_for(prof: dict, bandwidth: str | None, cores: int | None = None)
         apply_Bps=float(cpu.get("apply_Bps", math.inf)), reduce_Bps=float(cpu.get("reduce_Bps", math.inf)),
         codecs=codecs,
         cores=cores or prof.get("host_cores"), bandwidth_by_streams={1: bws[min(bws)]},
-        host_network_Bps={int(k): float(v) for k, v in prof.get("host_network_Bps", {}).items()})
+        host_network_Bps={int(k): float(v) for k, v in prof.get("host_network_Bps", {}).items()},
+        allreduce_host_s={int(k): float(v) for k, v in prof.get("allreduce_host_s", {}).items()},
+        allreduce_host_bytes=float(prof.get("model", {}).get("grad_bytes", 0.0)),
+        ps_host_s={cm.canonical(c): {int(k): float(v) for k, v in t.items()}
+                   for c, t in prof.get("ps_host_s", {}).items()},
+        ps_host_shards=int(prof.get("ps_host_shards", 0)),
+        ps_host_bytes=float(prof.get("model", {}).get("grad_bytes", 0.0)))
 
 
 def auto_chunk_bytes(grad_bytes: int, shards: int) -> int:
@@ -609,7 +782,8 @@ def validate(args) -> int:
             if not fixed and not os.path.exists(ppath):
                 print(f"-- calibrating for {w} workers on {bw} (load {os.getloadavg()[0]:.1f}) ...", flush=True)
                 prof = calibrate(args.hidden, args.layers, args.batch_size, [bw], concurrency=sorted({1, w}),
-                                 codecs=codecs, prefix=args.netns_prefix + "c", log=lambda *_: None)
+                                 codecs=codecs, prefix=args.netns_prefix + "c", log=lambda *_: None,
+                                 shards=args.servers)
                 prof["loadavg"] = os.getloadavg()[0]
                 with open(ppath, "w") as f:
                     json.dump(prof, f, indent=2)
@@ -650,7 +824,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default="8,64,256", help="comma-separated cluster sizes (workers) to predict")
     p.add_argument("--bandwidth", default=None,
                    help="link rate per worker, tc syntax (25gbit); calibrate: comma list of rates to probe")
-    p.add_argument("--shards", type=int, default=None, help="PS shards at scale (default: one per GPU)")
+    p.add_argument("--shards", type=int, default=None,
+                   help="PS shards at scale (default: one per GPU); calibrate: shards of the host PS-path probe (2)")
     p.add_argument("--chunk-bytes", type=int, default=None,
                    help="PS key size at scale (default: the best predicted of 4 MiB, 1 MiB, 256 KiB and about "
                         "4 keys per shard)")
@@ -688,7 +863,8 @@ def main_args(args) -> int:
         bws = [b.strip() for b in (args.bandwidth or "1gbit").split(",") if b.strip()]
         codecs = [s.split(":", 1)[1] for s in _split_strategies(args.strategies) if s.startswith("ps:")]
         prof = calibrate(args.hidden, args.layers, args.batch_size, bws,
-                         concurrency=[int(k) for k in args.concurrency.split(",")], codecs=codecs)
+                         concurrency=[int(k) for k in args.concurrency.split(",")], codecs=codecs,
+                         shards=args.shards or 2)
         docs = [json.load(open(p)) for p in args.profile]
         if docs:   # accuracy deltas / measured ratios from bench reports ride along
             m = merge_profiles([prof] + docs)

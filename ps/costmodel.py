@@ -14,14 +14,16 @@ Ring allreduce (DDP/gloo):
 Parameter server (BSP, push chained to pull per key):
     Pw = G / r_push, Pl = G / r_pull                       (wire bytes one worker pushes / pulls)
     s_j = share of G on shard j (the real partition, ps/partition.py), k_j = its keys
-    link time = max( (Pw + Pl) / B,                         worker's own link
-                     max_j W s_j (Pw + Pl) / B )            shard fan-in (W pushes) + fan-out (W pulls)
-                + 2 alpha
+    shard link = max_j W s_j (Pw + Pl + Pl + Pw / W) / 2 / B   the mean of two bounds: the W pulls leave
+                 together (fan-in, then fan-out: in + out) or one after another (out + in / W)
+    link time = max(shard link, (Pw + Pl) / B) + 2 alpha     (the worker's own link)
     R_j = PushPull RPCs a worker sends shard j per step (buckets x messages, fused_rpcs), R = sum R_j
     shard j CPU = W R_j rpc_s + W s_j (Pw + Pl) / grpc_Bps + W s_j G / dec_push
-                  + s_j G / apply_Bps + s_j G / comp_pull
-    worker CPU  = R rpc_s + (Pw + Pl) / grpc_Bps + G / comp_push + G / dec_pull
-    t_comm = worker CPU + max_j shard j CPU + link time
+                  + s_j G / apply_Bps + s_j G / comp_pull + W s_j G path / 2
+    worker CPU  = R rpc_s + (Pw + Pl) / grpc_Bps + G / comp_push + G / dec_pull + G path / 2
+        (path = the codec's measured one-worker PushPull cycle beyond these terms, per raw byte)
+    S = max_j shard j CPU;  t_comm = worker CPU + max(link, S) + min(link, S) / W
+        (a shard's work on one worker's message hides behind the others' transfers, and vice versa)
     t_step = t_fwd_bwd + max(0, t_comm - overlap)
 Overlap: gradients are handed to the network bucket by bucket as backward produces them (DDP buckets;
 deltaps' --bucket-bytes, both 25 MiB by default), so up to the backward time after the first bucket is
@@ -30,7 +32,10 @@ ready can hide communication: overlap = t_bwd x (1 - g_last / G), g_last = the l
 CPU contention (only when the processes share one host, `Job.host_cores`, e.g. the 2-core box the
 validation runs on): a phase where m processes are busy on c cores runs max(1, m / c) times slower
 than measured alone (compute is instead measured directly with W concurrent processes), and the step
-can never be shorter than all processes' CPU work divided by the cores.
+can never be shorter than all processes' CPU work divided by the cores. Nor can communication be
+faster than the same path measured on this host with unshaped links, W processes at once: gloo's
+allreduce of the gradient (`allreduce_host_s`), or the PS step path of W workers against the job's
+shards with the model's tensors (`ps_host_s`, per codec): t_comm = max(model terms, that time).
 
 Costs: train time = steps x t_step; GPU-hours = gpus x train time / 3600; cost = GPU-hours x price
 (+ egress bytes x price per GB when given).
@@ -75,6 +80,11 @@ class Calibration:
     cores: int | None = None                   # cores of the calibrating host
     bandwidth_by_streams: dict = field(default_factory=dict)  # {concurrent streams: achieved B}
     host_network_Bps: dict = field(default_factory=dict)      # {streams: bytes/s all unshaped veths move}
+    allreduce_host_s: dict = field(default_factory=dict)      # {processes: s of one gloo allreduce of
+    allreduce_host_bytes: float = 0.0                         #  these bytes, unshaped links, this host}
+    ps_host_s: dict = field(default_factory=dict)             # {codec: {workers: s of the PS step path
+    ps_host_bytes: float = 0.0                                #  for this gradient and ps_host_shards
+    ps_host_shards: int = 0                                   #  shards, unshaped links, this host}}
 
     def compute(self, k: int, table: dict | None = None) -> float:
         """Per-step time of a CPU phase with k processes doing it at once (measured; interpolated
@@ -140,6 +150,10 @@ class Calibration:
                 "reduce_Bps": self.reduce_Bps, "cores": self.cores,
                 "bandwidth_by_streams": {str(k): v for k, v in self.bandwidth_by_streams.items()},
                 "host_network_Bps": {str(k): v for k, v in self.host_network_Bps.items()},
+                "allreduce_host_s": {str(k): v for k, v in self.allreduce_host_s.items()},
+                "ps_host_s": {c: {str(k): v for k, v in t.items()} for c, t in self.ps_host_s.items()},
+                "ps_host_bytes": self.ps_host_bytes, "ps_host_shards": self.ps_host_shards,
+                "allreduce_host_bytes": self.allreduce_host_bytes,
                 "codecs": {k: (vars(v) if isinstance(v, CodecSpeed) else v) for k, v in self.codecs.items()}}
 
     @classmethod
@@ -153,6 +167,11 @@ class Calibration:
                    cores=d.get("cores"),
                    bandwidth_by_streams={int(k): float(v) for k, v in d.get("bandwidth_by_streams", {}).items()},
                    host_network_Bps={int(k): float(v) for k, v in d.get("host_network_Bps", {}).items()},
+                   allreduce_host_s={int(k): float(v) for k, v in d.get("allreduce_host_s", {}).items()},
+                   ps_host_s={c: {int(k): float(v) for k, v in t.items()} for c, t in d.get("ps_host_s", {}).items()},
+                   ps_host_bytes=float(d.get("ps_host_bytes", 0.0)),
+                   ps_host_shards=int(d.get("ps_host_shards", 0)),
+                   allreduce_host_bytes=float(d.get("allreduce_host_bytes", 0.0)),
                    codecs={k: CodecSpeed.from_dict(v) for k, v in d.get("codecs", {}).items()})
 
 
@@ -279,6 +298,8 @@ def predict_allreduce(cal: Calibration, job: Job) -> dict:
     opt = cal.compute(k, cal.optimizer_s) if cal.optimizer_s else 0.0
     ring = ring_allreduce_bytes(G, W)
     net = _network(cal, job, ring, W * ring, W) + (2 * (W - 1) * cal.alpha_s if W > 1 else 0.0)
+    if job.host_cores and cal.allreduce_host_s and W > 1:   # gloo's own CPU floor on this host, measured
+        net = max(net, cal.compute(W, cal.allreduce_host_s) * G / (cal.allreduce_host_bytes or G))
     reduce = (W - 1) / W * G / cal.reduce_Bps * (cal.stretch(W) if job.host_cores else 1.0) if W > 1 else 0.0
     comm = net + reduce
     last_bucket = min(G, job.bucket_cap_bytes) if G else 0
@@ -305,15 +326,7 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     # workers' next pushes overlap the rest: out + in / W. The model takes the mean of the two bounds.
     shard_link = max(W * s * (pw + pl + (pl + pw / W)) / 2 for s in share)
     link = _network(cal, job, max(shard_link, pw + pl), W * (pw + pl), W) + 2 * cal.alpha_s
-    # gRPC costs measured client + server together: half on each side. One PushPull RPC per bucket,
-    # shard and message (fused_rpcs), as worker/optimizer.py sends them.
-    rpcs = fused_rpcs(job.tensors, layout, n, job.bucket_cap_bytes, job.fused_bytes)
-    rpc, per_byte = cal.rpc_s / 2, 0.5 / cal.grpc_Bps
-    shard_cpu = [W * rj * rpc + W * s * (pw + pl) * per_byte + W * s * G / push.decompress_Bps
-                 + s * G / cal.apply_Bps + s * G / pull.compress_Bps + W * s * G * push.path_s_per_byte / 2
-                 for s, rj in zip(share, rpcs)]
-    worker_cpu = (sum(rpcs) * rpc + (pw + pl) * per_byte + G / push.compress_Bps + G / pull.decompress_Bps
-                  + G * push.path_s_per_byte / 2)
+    rpcs, worker_cpu, shard_cpu = _ps_cpu(cal, job, push, pull, layout, share)
     ws = cal.stretch(W) if job.host_cores else 1.0
     ss = cal.stretch(n) if job.host_cores else 1.0
     scpu = max(shard_cpu) * ss
@@ -321,6 +334,9 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     # transfers when the link is the bottleneck (and vice versa)
     shard_phase = max(link, scpu) + min(link, scpu) / W
     comm = worker_cpu * ws + shard_phase
+    spec = canonical(codec)
+    if job.host_cores and W > 1 and spec in cal.ps_host_s and n == cal.ps_host_shards:   # measured host floor
+        comm = max(comm, cal.compute(W, cal.ps_host_s[spec]) * G / (cal.ps_host_bytes or G))
     k = W if job.host_cores else 1
     fb = cal.compute(k)
     g_last = last_bucket_bytes(job.tensors, job.bucket_cap_bytes)
@@ -329,13 +345,29 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     step = fb + exposed
     if job.host_cores:   # all processes' CPU work through the cores they actually get
         cpu = W * (cal.compute(1) + worker_cpu) + sum(shard_cpu)
-        step = max(step, cpu / cal.effective_cores() + link)
+        step = max(step, cpu / cal.effective_cores())
     return {"strategy": f"ps:{canonical(codec)}", "codec": canonical(codec),
             "pull_codec": pull_codec or pull_codec_for(codec), "step_s": step, "compute_s": fb,
             "comm_s": step - fb, "network_s": link, "cpu_comm_s": worker_cpu * ws + scpu,
             "overlap_s": min(overlap, comm), "bytes_sent_per_worker": pw, "bytes_pulled_per_worker": pl,
             "bytes_hot_link": hot, "shard_shares": share, "keys": K, "rpcs_per_worker": sum(rpcs),
             "push_ratio": push.ratio, "pull_ratio": pull.ratio}
+
+
+def _ps_cpu(cal: Calibration, job: Job, push: CodecSpeed, pull: CodecSpeed, layout: list, share: list):
+    """(PushPull RPCs per shard, one worker's CPU per step, each shard's CPU per step), uncontended.
+    gRPC costs are measured client + server together: half on each side. One PushPull RPC per bucket,
+    shard and message (fused_rpcs), as worker/optimizer.py sends them."""
+    W, n, G = job.workers, job.shards, job.grad_bytes
+    pw, pl = G / push.ratio, G / pull.ratio
+    rpcs = fused_rpcs(job.tensors, layout, n, job.bucket_cap_bytes, job.fused_bytes)
+    rpc, per_byte = cal.rpc_s / 2, 0.5 / cal.grpc_Bps
+    shard_cpu = [W * rj * rpc + W * s * (pw + pl) * per_byte + W * s * G / push.decompress_Bps
+                 + s * G / cal.apply_Bps + s * G / pull.compress_Bps + W * s * G * push.path_s_per_byte / 2
+                 for s, rj in zip(share, rpcs)]
+    worker_cpu = (sum(rpcs) * rpc + (pw + pl) * per_byte + G / push.compress_Bps + G / pull.decompress_Bps
+                  + G * push.path_s_per_byte / 2)
+    return rpcs, worker_cpu, shard_cpu
 
 
 def predict(cal: Calibration, job: Job, strategy: str) -> dict:

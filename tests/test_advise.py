@@ -6,6 +6,7 @@ import pytest
 
 from ps import advise
 from ps import costmodel as cm
+from ps import netns
 
 
 # ---- hand-computed formulas ------------------------------------------------------------------------------
@@ -221,3 +222,67 @@ def test_stretch_and_effective_cores_come_from_the_probe():
     assert cal.stretch(2) == pytest.approx(2.1)
     assert cal.stretch(4) == pytest.approx(5.0)
     assert cal.effective_cores() == pytest.approx(0.8)       # 4 / 5: other load took the rest
+
+
+def test_allreduce_never_beats_the_measured_host_allreduce():
+    G = 4 << 20
+    job = cm.Job(tensors=[("a", G // 4)], workers=4, shards=1, host_cores=2)
+    cal = _cal(bandwidth_Bps=1e12, cores=2, allreduce_host_s={2: 0.004, 4: 0.010}, allreduce_host_bytes=G / 2)
+    # measured for half the bytes: scaled by G / measured bytes
+    assert cm.predict_allreduce(cal, job)["network_s"] == pytest.approx(0.020)
+    # one device per worker: the shared-host floor does not apply
+    solo = cm.predict_allreduce(cal, cm.Job(tensors=job.tensors, workers=4, shards=1))
+    assert solo["network_s"] == pytest.approx(cm.ring_allreduce_bytes(G, 4) / 1e12)
+
+
+def test_ps_never_beats_the_measured_host_step_path():
+    G = 4 << 20
+    job = cm.Job(tensors=[("a", G // 4)], workers=4, shards=2, host_cores=2)
+    cal = _cal(bandwidth_Bps=1e12, cores=2, fwd_bwd_s={1: 0.0, 4: 0.0},
+               ps_host_s={"int8": {2: 0.004, 4: 0.010}}, ps_host_bytes=G / 2, ps_host_shards=2)
+    # measured with half the bytes: scaled by G / measured bytes; no overlap (bwd_fraction 0)
+    assert cm.predict_ps(cal, job, "int8")["step_s"] == pytest.approx(0.020)
+    # 3 workers: interpolated between the probed 2 and 4
+    three = cm.predict_ps(cal, cm.Job(tensors=job.tensors, workers=3, shards=2, host_cores=2), "int8")
+    assert three["step_s"] == pytest.approx(0.014)
+    # another shard count, another codec or one device per worker: the floor does not apply
+    for other, codec in [(cm.Job(tensors=job.tensors, workers=4, shards=1, host_cores=2), "int8"),
+                         (job, "none"), (cm.Job(tensors=job.tensors, workers=4, shards=2), "int8")]:
+        assert cm.predict_ps(cal, other, codec)["step_s"] < 0.01
+
+
+def test_ps_cpu_bound_is_all_processes_work_over_the_cores():
+    G = 4 << 20
+    cal = _cal(bandwidth_Bps=1e12, rpc_s=0.002, grpc_Bps=1e9, cores=2, fwd_bwd_s={1: 0.0, 4: 0.0})
+    shared = cm.predict_ps(cal, cm.Job(tensors=[("p", G // 4)], workers=4, shards=1, host_cores=2), "none")
+    # 4 workers: 1 RPC (half its cost) + half the gRPC bytes each; the shard: 4 x the same
+    assert shared["step_s"] >= (4 * (G / 1e9 + 0.001) + (4 * G / 1e9 + 4 * 0.001)) / 2
+
+
+def test_probes_measure_real_processes(tmp_path):
+    """The gRPC and PS-step probes run real `deltaps server` + worker processes; the allreduce probe
+    real gloo ranks."""
+    g = advise.probe_grpc(cycles=3, big_bytes=256 << 10, codecs=["int8"], rounds=1)
+    assert 0 < g["cycle_small_s"] < 5 and 0 < g["cycle_big_s"] < 5 and g["grpc_Bps"] > 0
+    assert 0 < g["cycle_codec_s"]["int8"] < 5
+    ar = advise.probe_allreduce(64 << 10, procs=(2,), prefix="dpst", repeats=3)
+    assert set(ar) == {2} and 0 < ar[2] < 5
+    tensors = [("w", 32 << 10), ("b", 64)]
+    ps = advise.probe_ps_host(tensors, ["int8"], procs=(2,), shards=2, prefix="dpst", steps=3)
+    assert set(ps) == {"int8"} and set(ps["int8"]) == {2} and 0 < ps["int8"][2] < 5
+    prof = {"model": {"grad_bytes": 4 * (32 << 10) + 256}, "ps_host_s": ps, "ps_host_shards": 2}
+    cal = advise.calibration_for(prof, "1gbit", cores=2)
+    assert cal.ps_host_s == ps and cal.ps_host_shards == 2
+    assert netns.list_leftovers("dpst") == {"netns": [], "links": []}      # namespaces torn down
+
+
+def test_committed_validation_grid_stays_within_25_percent(tmp_path, capsys):
+    """The README's predicted-vs-measured table: the model run on the committed measurements."""
+    import os
+    import shutil
+    src = os.path.join(os.path.dirname(__file__), "..", "docs", "advise-validation")
+    shutil.copytree(src, tmp_path / "grid")
+    assert advise.main(["validate", "--dir", str(tmp_path / "grid")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| 10gbit  |") == 8 and "worst |error|" in out
+    assert advise.main(["validate", "--dir", str(tmp_path / "grid"), "--tolerance", "0.05"]) == 1
