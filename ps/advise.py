@@ -16,6 +16,7 @@ Accuracy deltas and measured compression ratios come from `deltaps bench compare
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -140,23 +141,24 @@ def ps_cycle_time(numel: int, codec: str = "none", n: int = 60) -> float:
     """Median PushPull cycle (push, delta pull) of a worker process with one tensor of numel floats
     against one real `deltaps server` on loopback (world size 1)."""
     from ps.launch import _stop, _wait_port
-    pf = os.path.join(tempfile.mkdtemp(prefix="deltaps-advise-rpc-"), "port")
-    srv = subprocess.Popen([sys.executable, "-m", "ps", "server", "--host", "127.0.0.1", "--port", "0",
-                            "--shard-id", "0", "--num-shards", "1", "--port-file", pf],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_repo_env())
-    client = None
-    try:
-        addr = f"127.0.0.1:{_wait_port(pf, srv)}"
-        client = subprocess.Popen([sys.executable, "-c", _PS_CYCLE_PROBE, addr, codec, str(numel), str(n)],
-                                  stdout=subprocess.PIPE, text=True, env=_repo_env())
-        out = client.communicate(timeout=300)[0]
-        if client.returncode:
-            raise RuntimeError(f"PushPull cycle probe ({codec}) failed")
-        return float(out.strip().splitlines()[-1])
-    finally:
-        if client and client.poll() is None:
-            client.kill()
-        _stop([srv])
+    with tempfile.TemporaryDirectory(prefix="deltaps-advise-rpc-") as tmp:
+        pf = os.path.join(tmp, "port")
+        srv = subprocess.Popen([sys.executable, "-m", "ps", "server", "--host", "127.0.0.1", "--port", "0",
+                                "--shard-id", "0", "--num-shards", "1", "--port-file", pf],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_repo_env())
+        client = None
+        try:
+            addr = f"127.0.0.1:{_wait_port(pf, srv)}"
+            client = subprocess.Popen([sys.executable, "-c", _PS_CYCLE_PROBE, addr, codec, str(numel), str(n)],
+                                      stdout=subprocess.PIPE, text=True, env=_repo_env())
+            out = client.communicate(timeout=300)[0]
+            if client.returncode:
+                raise RuntimeError(f"PushPull cycle probe ({codec}) failed")
+            return float(out.strip().splitlines()[-1])
+        finally:
+            if client and client.poll() is None:
+                client.kill()
+            _stop([srv])
 
 
 def probe_grpc(cycles: int = 60, big_bytes: int = 4 << 20, codecs=(), rounds: int = 2) -> dict:
@@ -275,6 +277,18 @@ def probe_host_network(streams=(1, 2, 4), prefix: str = "dpsa", nbytes: int = 32
     return out
 
 
+@contextlib.contextmanager
+def _unshaped_topology(nodes: int, prefix: str):
+    """Unshaped namespace links for `nodes` processes (torn down on exit), or None: plain loopback
+    where namespaces are unavailable."""
+    from ps import netns
+    if not netns.shaping_available()[0]:
+        yield None
+        return
+    with netns.Topology(nodes, rate=None, prefix=prefix) as topo:
+        yield topo
+
+
 _ALLREDUCE_PROBE = r"""
 import json, os, statistics, sys, time
 import torch, torch.distributed as dist
@@ -302,16 +316,12 @@ def probe_allreduce(grad_bytes: int, procs=(2, 4), prefix: str = "dpsa", bucket_
     """Seconds per step of gloo's ring allreduce of the model's gradient with k processes of this
     host, over unshaped namespace links (plain loopback where namespaces are unavailable): the CPU
     floor of allreduce on a shared host (copies, sums, veth), which a shaped link cannot go below."""
-    from ps import netns
+    from ps.launch import free_port
     out = {}
     for k in sorted(p for p in set(procs) if p >= 2):
-        ok, _ = netns.shaping_available()
-        topo = netns.Topology(k, rate=None, prefix=prefix) if ok else None
-        try:
-            if topo:
-                topo.up()
+        with _unshaped_topology(k, prefix) as topo:
             addr = topo.addr(0) if topo else "127.0.0.1"
-            port = "29611" if topo else str(_free_port())
+            port = "29611" if topo else str(free_port())
             procs_ = []
             for r in range(k):
                 env = {**_repo_env(), "GLOO_SOCKET_IFNAME": topo.ifname(r) if topo else "lo"}
@@ -323,9 +333,6 @@ def probe_allreduce(grad_bytes: int, procs=(2, 4), prefix: str = "dpsa", bucket_
             if procs_[0].returncode != 0:
                 raise RuntimeError(f"allreduce probe with {k} processes failed (exit {procs_[0].returncode})")
             out[k] = float(outs[0].strip())
-        finally:
-            if topo:
-                topo.down()
     return out
 
 
@@ -363,51 +370,39 @@ def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = 
     the model's tensors against `shards` real `deltaps server`s, all on this host over unshaped
     namespace links (loopback without namespaces): the PS counterpart of probe_allreduce, the floor
     a shaped link cannot go below when every process shares these cores."""
-    from ps import netns
     from ps.launch import _stop, _wait_port
     out: dict = {}
+    spec = json.dumps([[name, int(numel)] for name, numel in tensors])
     for k in sorted(p for p in set(procs) if p >= 2):
-        ok, _ = netns.shaping_available()
-        topo = netns.Topology(k + shards, rate=None, prefix=prefix) if ok else None
-        try:
-            if topo:
-                topo.up()
+        with _unshaped_topology(k + shards, prefix) as topo:
+            host = [topo.addr(i) if topo else "127.0.0.1" for i in range(k + shards)]
+            run = [topo.exec_prefix(i) if topo else [] for i in range(k + shards)]
             for codec in codecs:
-                tmp = tempfile.mkdtemp(prefix="deltaps-advise-ps-")
-                host = [topo.addr(i) if topo else "127.0.0.1" for i in range(k + shards)]
-                srvs = [subprocess.Popen((topo.exec_prefix(i) if topo else []) + [
-                            sys.executable, "-m", "ps", "server", "--host", host[i], "--port", "0", "--shard-id",
-                            str(i), "--num-shards", str(shards), "--port-file", os.path.join(tmp, f"p{i}")],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_repo_env()) for i in range(shards)]
-                clients = []
-                try:
-                    addrs = ",".join(f"{host[i]}:{_wait_port(os.path.join(tmp, f'p{i}'), s)}" for i, s in enumerate(srvs))
-                    clients = [subprocess.Popen((topo.exec_prefix(shards + r) if topo else []) + [
-                                   sys.executable, "-c", _PS_STEP_PROBE, addrs, str(r), str(k), codec,
-                                   json.dumps([[n, int(m)] for n, m in tensors]), str(steps)],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_repo_env())
-                               for r in range(k)]
-                    outs = [c.communicate(timeout=300)[0] for c in clients]
-                    if any(c.returncode for c in clients):
-                        raise RuntimeError(f"PS step probe ({codec}, {k} workers, {shards} shards) failed")
-                    out.setdefault(cm.canonical(codec), {})[k] = statistics.median(
-                        float(o.strip().splitlines()[-1]) for o in outs)
-                finally:
-                    for c in clients:
-                        if c.poll() is None:
-                            c.kill()
-                    _stop(srvs)
-        finally:
-            if topo:
-                topo.down()
+                with tempfile.TemporaryDirectory(prefix="deltaps-advise-ps-") as tmp:
+                    srvs = [subprocess.Popen(run[i] + [
+                                sys.executable, "-m", "ps", "server", "--host", host[i], "--port", "0", "--shard-id",
+                                str(i), "--num-shards", str(shards), "--port-file", os.path.join(tmp, f"p{i}")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_repo_env()) for i in range(shards)]
+                    clients = []
+                    try:
+                        addrs = ",".join(f"{host[i]}:{_wait_port(os.path.join(tmp, f'p{i}'), s)}"
+                                         for i, s in enumerate(srvs))
+                        clients = [subprocess.Popen(run[shards + r] + [
+                                       sys.executable, "-c", _PS_STEP_PROBE, addrs, str(r), str(k), codec, spec,
+                                       str(steps)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_repo_env())
+                                   for r in range(k)]
+                        outs = [c.communicate(timeout=300)[0] for c in clients]
+                        if any(c.returncode for c in clients):
+                            raise RuntimeError(f"PS step probe ({codec}, {k} workers, {shards} shards) failed")
+                        out.setdefault(cm.canonical(codec), {})[k] = statistics.median(
+                            float(o.strip().splitlines()[-1]) for o in outs)
+                    finally:
+                        for c in clients:
+                            if c.poll() is None:
+                                c.kill()
+                        _stop(srvs)
     return out
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def calibrate(hidden: int, layers: int, batch_size: int, bandwidths: list[str], concurrency=(1, 2, 4),
@@ -436,11 +431,11 @@ def calibrate(hidden: int, layers: int, batch_size: int, bandwidths: list[str], 
         prof["networks"][bw] = probe_network(bw, streams=tuple(sorted(set([1] + list(concurrency)))), prefix=prefix)
     log("advise calibrate: host veth throughput (unshaped) ...")
     prof["host_network_Bps"] = probe_host_network(tuple(sorted(set([1] + list(concurrency)))), prefix=prefix)
+    floor_procs = tuple(sorted(set([2] + list(concurrency))))
     log("advise calibrate: gloo allreduce on this host (unshaped) ...")
-    prof["allreduce_host_s"] = probe_allreduce(G, tuple(sorted(set([2] + list(concurrency)))), prefix=prefix)
+    prof["allreduce_host_s"] = probe_allreduce(G, floor_procs, prefix=prefix)
     log(f"advise calibrate: PS step path, {shards} shards, on this host (unshaped) ...")
-    prof["ps_host_s"] = probe_ps_host(tensors, specs_push, tuple(sorted(set([2] + list(concurrency)))), shards,
-                                      prefix=prefix)
+    prof["ps_host_s"] = probe_ps_host(tensors, specs_push, floor_procs, shards, prefix=prefix)
     prof["ps_host_shards"] = shards
     prof["calibrate_s"] = time.perf_counter() - t0
     prof["loadavg"] = os.getloadavg()[0]
@@ -543,11 +538,10 @@ def calibration_for(prof: dict, bandwidth: str | None, cores: int | None = None)
         cores=cores or prof.get("host_cores"), bandwidth_by_streams={1: bws[min(bws)]},
         host_network_Bps={int(k): float(v) for k, v in prof.get("host_network_Bps", {}).items()},
         allreduce_host_s={int(k): float(v) for k, v in prof.get("allreduce_host_s", {}).items()},
-        allreduce_host_bytes=float(prof.get("model", {}).get("grad_bytes", 0.0)),
         ps_host_s={cm.canonical(c): {int(k): float(v) for k, v in t.items()}
                    for c, t in prof.get("ps_host_s", {}).items()},
         ps_host_shards=int(prof.get("ps_host_shards", 0)),
-        ps_host_bytes=float(prof.get("model", {}).get("grad_bytes", 0.0)))
+        host_probe_bytes=float(prof.get("model", {}).get("grad_bytes", 0.0)))
 
 
 def auto_chunk_bytes(grad_bytes: int, shards: int) -> int:

@@ -80,11 +80,11 @@ class Calibration:
     cores: int | None = None                   # cores of the calibrating host
     bandwidth_by_streams: dict = field(default_factory=dict)  # {concurrent streams: achieved B}
     host_network_Bps: dict = field(default_factory=dict)      # {streams: bytes/s all unshaped veths move}
-    allreduce_host_s: dict = field(default_factory=dict)      # {processes: s of one gloo allreduce of
-    allreduce_host_bytes: float = 0.0                         #  these bytes, unshaped links, this host}
+    # host floors, measured with a gradient of host_probe_bytes over unshaped links of this host:
+    allreduce_host_s: dict = field(default_factory=dict)      # {processes: s of one gloo allreduce}
     ps_host_s: dict = field(default_factory=dict)             # {codec: {workers: s of the PS step path
-    ps_host_bytes: float = 0.0                                #  for this gradient and ps_host_shards
-    ps_host_shards: int = 0                                   #  shards, unshaped links, this host}}
+    ps_host_shards: int = 0                                   #  against this many shards}}
+    host_probe_bytes: float = 0.0
 
     def compute(self, k: int, table: dict | None = None) -> float:
         """Per-step time of a CPU phase with k processes doing it at once (measured; interpolated
@@ -152,8 +152,7 @@ class Calibration:
                 "host_network_Bps": {str(k): v for k, v in self.host_network_Bps.items()},
                 "allreduce_host_s": {str(k): v for k, v in self.allreduce_host_s.items()},
                 "ps_host_s": {c: {str(k): v for k, v in t.items()} for c, t in self.ps_host_s.items()},
-                "ps_host_bytes": self.ps_host_bytes, "ps_host_shards": self.ps_host_shards,
-                "allreduce_host_bytes": self.allreduce_host_bytes,
+                "ps_host_shards": self.ps_host_shards, "host_probe_bytes": self.host_probe_bytes,
                 "codecs": {k: (vars(v) if isinstance(v, CodecSpeed) else v) for k, v in self.codecs.items()}}
 
     @classmethod
@@ -169,9 +168,8 @@ class Calibration:
                    host_network_Bps={int(k): float(v) for k, v in d.get("host_network_Bps", {}).items()},
                    allreduce_host_s={int(k): float(v) for k, v in d.get("allreduce_host_s", {}).items()},
                    ps_host_s={c: {int(k): float(v) for k, v in t.items()} for c, t in d.get("ps_host_s", {}).items()},
-                   ps_host_bytes=float(d.get("ps_host_bytes", 0.0)),
                    ps_host_shards=int(d.get("ps_host_shards", 0)),
-                   allreduce_host_bytes=float(d.get("allreduce_host_bytes", 0.0)),
+                   host_probe_bytes=float(d.get("host_probe_bytes", 0.0)),
                    codecs={k: CodecSpeed.from_dict(v) for k, v in d.get("codecs", {}).items()})
 
 
@@ -299,7 +297,7 @@ def predict_allreduce(cal: Calibration, job: Job) -> dict:
     ring = ring_allreduce_bytes(G, W)
     net = _network(cal, job, ring, W * ring, W) + (2 * (W - 1) * cal.alpha_s if W > 1 else 0.0)
     if job.host_cores and cal.allreduce_host_s and W > 1:   # gloo's own CPU floor on this host, measured
-        net = max(net, cal.compute(W, cal.allreduce_host_s) * G / (cal.allreduce_host_bytes or G))
+        net = max(net, cal.compute(W, cal.allreduce_host_s) * G / (cal.host_probe_bytes or G))
     reduce = (W - 1) / W * G / cal.reduce_Bps * (cal.stretch(W) if job.host_cores else 1.0) if W > 1 else 0.0
     comm = net + reduce
     last_bucket = min(G, job.bucket_cap_bytes) if G else 0
@@ -336,7 +334,7 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     comm = worker_cpu * ws + shard_phase
     spec = canonical(codec)
     if job.host_cores and W > 1 and spec in cal.ps_host_s and n == cal.ps_host_shards:   # measured host floor
-        comm = max(comm, cal.compute(W, cal.ps_host_s[spec]) * G / (cal.ps_host_bytes or G))
+        comm = max(comm, cal.compute(W, cal.ps_host_s[spec]) * G / (cal.host_probe_bytes or G))
     k = W if job.host_cores else 1
     fb = cal.compute(k)
     g_last = last_bucket_bytes(job.tensors, job.bucket_cap_bytes)

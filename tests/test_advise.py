@@ -227,7 +227,7 @@ def test_stretch_and_effective_cores_come_from_the_probe():
 def test_allreduce_never_beats_the_measured_host_allreduce():
     G = 4 << 20
     job = cm.Job(tensors=[("a", G // 4)], workers=4, shards=1, host_cores=2)
-    cal = _cal(bandwidth_Bps=1e12, cores=2, allreduce_host_s={2: 0.004, 4: 0.010}, allreduce_host_bytes=G / 2)
+    cal = _cal(bandwidth_Bps=1e12, cores=2, allreduce_host_s={2: 0.004, 4: 0.010}, host_probe_bytes=G / 2)
     # measured for half the bytes: scaled by G / measured bytes
     assert cm.predict_allreduce(cal, job)["network_s"] == pytest.approx(0.020)
     # one device per worker: the shared-host floor does not apply
@@ -239,7 +239,7 @@ def test_ps_never_beats_the_measured_host_step_path():
     G = 4 << 20
     job = cm.Job(tensors=[("a", G // 4)], workers=4, shards=2, host_cores=2)
     cal = _cal(bandwidth_Bps=1e12, cores=2, fwd_bwd_s={1: 0.0, 4: 0.0},
-               ps_host_s={"int8": {2: 0.004, 4: 0.010}}, ps_host_bytes=G / 2, ps_host_shards=2)
+               ps_host_s={"int8": {2: 0.004, 4: 0.010}}, host_probe_bytes=G / 2, ps_host_shards=2)
     # measured with half the bytes: scaled by G / measured bytes; no overlap (bwd_fraction 0)
     assert cm.predict_ps(cal, job, "int8")["step_s"] == pytest.approx(0.020)
     # 3 workers: interpolated between the probed 2 and 4
