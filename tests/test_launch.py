@@ -81,7 +81,7 @@ def test_rollback_switch_on_a_running_job(tmp_path):
         for r in range(2):
             workers.append(subprocess.Popen(DELTAPS + [
                 "worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", "2",
-                "--config", CONFIG, "--codec", "topk:ratio=0.01", "--steps", "400", "--no-progress",
+                "--config", CONFIG, "--codec", "topk:ratio=0.01", "--steps", "600", "--no-progress",
                 "--result-json", str(tmp_path / f"w{r}.json")]))
         with client(addrs) as probe:
             for _ in range(1200):
@@ -101,10 +101,12 @@ def test_rollback_switch_on_a_running_job(tmp_path):
             res = json.loads((tmp_path / f"w{r}.json").read_text())
             assert res["final_codec"] == "none" and len(res["codec_switches"]) == 1
             switch_step = res["codec_switches"][0][0]
-            assert 150 <= switch_step < 400
+            assert 150 <= switch_step < 600
             per_step = res["bytes_pushed_wire_steps"]
-            before = sum(per_step[switch_step - 50:switch_step - 1]) / 49
-            after = sum(per_step[switch_step + 1:switch_step + 50]) / 49
+            # windows clipped to the run: on a slow box the switch can land late (ctl start-up is seconds)
+            before_w, after_w = per_step[switch_step - 50:switch_step - 1], per_step[switch_step + 1:switch_step + 50]
+            assert len(before_w) == 49 and len(after_w) >= 10, (switch_step, len(per_step))
+            before, after = sum(before_w) / len(before_w), sum(after_w) / len(after_w)
             assert after > 20 * before, (before, after)
             assert after == pytest.approx(res["model_params"] * 4, rel=0.01)
             assert res["final_test_accuracy"] >= 0.93
