@@ -15,7 +15,7 @@ from ps.partition import Key
 from ps.shard import Shard, ShardError
 from ps.pull_codec import DELTA, FULL
 from ps.security import Security
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, chunk_from_tensor, chunk_nbytes, decode_chunk, grpc_options, unpack_chunk
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, decode_chunk, fill_chunk, fill_chunk_from_tensor, grpc_options, unpack_chunk
 
 log = logging.getLogger("deltaps.server")
 
@@ -67,39 +67,60 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Push(self, req, context):
-        return self._push(req)
+        rep = pb.PushResponse()
+        self._push(req, rep)
+        return rep
 
     @_guard
     def Pull(self, req, context):
-        return self._pull(req, context)
+        rep = pb.PullResponse()
+        self._pull(req, context, rep)
+        return rep
 
     @_guard
     def PushPull(self, req, context):
         if not req.HasField("push") or not req.HasField("pull"):
             raise ShardError("INVALID_ARGUMENT", "PushPull needs both a push and a pull")
-        if req.pull.worker_id != req.push.worker_id or req.pull.server_id != req.push.server_id:
+        push, pull = req.push, req.pull
+        if pull.worker_id != push.worker_id or pull.server_id != push.server_id:
             raise ShardError("INVALID_ARGUMENT", "PushPull: the pull's worker_id/server_id differ from the push's")
-        push = self._push(req.push)
-        return pb.PushPullResponse(push=push, pull=self._pull(req.pull, context))
+        rep = pb.PushPullResponse()      # filled in place: no merge copies of the bodies
+        self._push(push, rep.push)
+        self._pull(pull, context, rep.pull)
+        return rep
 
-    def _push(self, req):
+    def _push(self, req, rep) -> None:
         self._check_server_id(req)
-        grads = [(c.key, unpack_chunk(c)) for c in req.grads]
-        self.shard.counters["bytes_received"] += sum(chunk_nbytes(c) for c in req.grads)
+        grads, nbytes = [], 0
+        for c in req.grads:
+            g, n = unpack_chunk(c)
+            grads.append((c.key, g))
+            nbytes += n
+        self.shard.counters["bytes_received"] += nbytes
         dup, versions = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions))
-        return pb.PushResponse(duplicate=dup, versions=versions, server_id=self.shard.server_id,
-                               durable_step=self.shard.durable_step(req.worker_id))
+        rep.duplicate.extend(dup)
+        rep.versions.extend(versions)
+        rep.server_id, rep.durable_step = self.shard.server_id, self.shard.durable_step(req.worker_id)
 
-    def _pull(self, req, context):
+    def _pull(self, req, context, rep) -> None:
         self._check_server_id(req)
         items, waited = self.shard.pull(list(req.keys), req.min_version, req.timeout_s,
                                         list(req.have_versions) or None, worker=req.worker_id,
                                         alive=context.is_active)
-        values = [_pull_chunk(k, kind, obj) for k, kind, obj, _ in items]
-        self.shard.counters["bytes_sent"] += sum(chunk_nbytes(c) for c in values)
-        return pb.PullResponse(values=values, versions=[v for *_, v in items], kinds=[i[1] for i in items],
-                               waited_s=waited, server_id=self.shard.server_id,
-                               codec=self.shard.codec, codec_epoch=self.shard.codec_epoch)
+        nbytes = 0
+        for k, kind, obj, _ in items:
+            c = rep.values.add()
+            if kind == FULL:
+                nbytes += fill_chunk_from_tensor(c, k, obj)
+            elif kind == DELTA:
+                nbytes += fill_chunk(c, k, obj)
+            else:
+                c.key = k
+        self.shard.counters["bytes_sent"] += nbytes
+        rep.versions.extend(v for *_, v in items)
+        rep.kinds.extend(i[1] for i in items)
+        rep.waited_s, rep.server_id = waited, self.shard.server_id
+        rep.codec, rep.codec_epoch = self.shard.codec, self.shard.codec_epoch
 
     @_guard
     def Barrier(self, req, context):
@@ -141,14 +162,6 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     def EmbeddingStats(self, req, context):
         from ps import embedding
         return embedding.handle_stats(self.shard, req, pb)
-
-
-def _pull_chunk(key: str, kind: int, obj) -> pb.TensorChunk:
-    if kind == FULL:
-        return chunk_from_tensor(key, obj)
-    if kind == DELTA:
-        return chunk_from_payload(key, obj)
-    return pb.TensorChunk(key=key)
 
 
 HEALTH_SERVICES = ("", "deltaps.ParameterServer")

@@ -17,7 +17,7 @@ from ps.optimizer import OptimizerConfig
 from ps.partition import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
 from ps.sync import parse_sync
 from ps.pull_codec import DELTA, FULL
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, chunk_from_payload, accumulate_chunk, chunk_from_tensor, grpc_options
+from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, accumulate_payload_into, chunk_from_tensor, fill_chunk, grpc_options, read_chunk
 from worker.reliability import RECONNECT_OPTIONS, ShardSession
 
 
@@ -178,25 +178,27 @@ class PSClient:
     def _encode(self, k: Key, t: torch.Tensor, step: int) -> Payload:
         return self.compressor.compress(k.key, t, step=step, seed=zlib.crc32(f"{k.key}/{step}/{self.worker_id}".encode()))
 
-    def _push_request(self, batch: list[Key], grads: dict[str, torch.Tensor], step: int):
-        """(PushRequest, raw bytes) of one batch of keys, gradients encoded by the codec in force."""
-        chunks, raw = [], 0
+    def _fill_push(self, req, batch: list[Key], grads: dict[str, torch.Tensor], step: int) -> tuple[int, int]:
+        """Fill PushRequest req in place with one batch of keys, gradients encoded by the codec in force;
+        returns (raw bytes, wire bytes)."""
+        raw = wire = 0
         for k in batch:
             g = self._slice(grads[k.param], k)
-            chunks.append(chunk_from_payload(k.key, self._encode(k, g, step)))
+            wire += fill_chunk(req.grads.add(), k.key, self._encode(k, g, step))
             raw += g.numel() * g.element_size()
-        req = pb.PushRequest(worker_id=self.worker_id, step=step, seq=self._next_seq(), grads=chunks,
-                             pulled_versions=[self.versions.get(k.key, 0) for k in batch])
-        return req, raw
+        req.worker_id, req.step, req.seq = self.worker_id, step, self._next_seq()
+        req.pulled_versions.extend(self.versions.get(k.key, 0) for k in batch)
+        return raw, wire
 
     def push_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int) -> None:
         """Blocking push of some keys to one shard (split into messages of about chunk_bytes)."""
         for batch in self._batches(keys):
-            req, raw = self._push_request(batch, grads, step)
+            req = pb.PushRequest()
+            raw, wire = self._fill_push(req, batch, grads, step)
             t0 = time.perf_counter()
             self.sessions[shard].push(req, self.timeout_s)
             self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_raw=raw,
-                           bytes_pushed_wire=sum(len(c.data) + len(c.header) for c in req.grads))
+                           bytes_pushed_wire=wire)
 
     def push_pull_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int,
                        min_version: int, out: dict[str, torch.Tensor]) -> float:
@@ -207,13 +209,14 @@ class PSClient:
         parameter."""
         waited = 0.0
         for batch in self._batches(keys, self.fused_bytes):
-            req, raw = self._push_request(batch, grads, step)
+            req = pb.PushPullRequest()      # the push half is filled in place (no merge copy of its bodies)
+            raw, wire = self._fill_push(req.push, batch, grads, step)
             t0 = time.perf_counter()
             rep = self.sessions[shard].push_pull(req, lambda batch=batch: self._pull_request(batch, min_version, True),
                                                  self.timeout_s + 10)
             dt = time.perf_counter() - t0
             self.stats.add(push_pull_rpcs=1, push_rpcs=1, push_pull_s=dt, bytes_pushed_raw=raw,
-                           bytes_pushed_wire=sum(len(c.data) + len(c.header) for c in req.grads))
+                           bytes_pushed_wire=wire)
             waited = max(waited, self._take_pull(shard, batch, rep.pull, out, True))
         return waited
 
@@ -248,23 +251,27 @@ class PSClient:
 
     def _take_pull(self, shard: int, batch: list[Key], rep, out: dict[str, torch.Tensor], delta: bool) -> float:
         """Check one PullResponse against the keys asked for and write it into out; returns its wait."""
-        self.stats.add(pull_rpcs=1, bytes_pulled_wire=sum(len(c.data) + len(c.header) for c in rep.values))
         kinds = list(rep.kinds) or [FULL] * len(rep.values)
         if len(rep.values) != len(batch) or len(kinds) != len(batch):
             raise PSError(None, f"shard {shard} answered {len(rep.values)} values for {len(batch)} keys")
+        nbytes = 0
         for k, c, v, kind in zip(batch, rep.values, rep.versions, kinds):
             if c.key != k.key:
                 raise PSError(None, f"server returned {c.key!r} for {k.key!r}")
             dst = out[k.param].view(-1)[k.offset:k.offset + k.numel]
-            if kind == FULL:
-                if len(c.data) != k.numel * 4:
-                    raise PSError(None, f"server returned {len(c.data)} bytes for {k.key!r} ({k.numel} floats)")
-                np.copyto(dst.numpy(), np.frombuffer(c.data, dtype=np.float32))
-            elif kind == DELTA:
-                accumulate_chunk(c, dst)
+            if kind in (FULL, DELTA):
+                p, n = read_chunk(c)
+                nbytes += n
+                if kind == FULL:
+                    if len(p.data) != k.numel * 4:
+                        raise PSError(None, f"server returned {len(p.data)} bytes for {k.key!r} ({k.numel} floats)")
+                    np.copyto(dst.numpy(), np.frombuffer(p.data, dtype=np.float32))
+                else:
+                    accumulate_payload_into(k.key, p, dst)
             self.versions[k.key] = v
             if delta:
                 self.view_versions[k.key] = v
+        self.stats.add(pull_rpcs=1, bytes_pulled_wire=nbytes)
         self._note_codec(rep.codec, rep.codec_epoch)
         return rep.waited_s
 

@@ -176,20 +176,20 @@ class ShardSession:
             self._trim(rep.durable_step)
         return rep
 
-    def push_pull(self, push_req, build_pull, timeout: float):
-        """A PushPull: the push half is buffered for replay exactly like push(); the pull half is rebuilt
-        per attempt (a restarted shard needs full values again). A retry after a lost answer gets the
-        push acknowledged as a duplicate, never applied twice."""
-        from protos import pb
+    def push_pull(self, req, build_pull, timeout: float):
+        """A PushPullRequest whose push half is filled: that half is buffered for replay exactly like
+        push(); the pull half is rebuilt per attempt (a restarted shard needs full values again). A retry
+        after a lost answer gets the push acknowledged as a duplicate, never applied twice."""
+        push_req = req.push
         with self.lock:
             if self.buffering:
                 self.buffer.append((push_req.step, push_req.seq, push_req))
                 self._bound()
 
         def build():
-            pull = build_pull()
-            push_req.server_id = pull.server_id = self.server_id
-            return pb.PushPullRequest(push=push_req, pull=pull)
+            req.pull.CopyFrom(build_pull())     # small: keys and versions only
+            push_req.server_id = req.pull.server_id = self.server_id
+            return req
         rep = self.call("PushPull", build, timeout)
         with self.lock:
             self._trim(rep.push.durable_step)
