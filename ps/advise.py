@@ -312,27 +312,29 @@ if rank == 0:
 
 
 def probe_allreduce(grad_bytes: int, procs=(2, 4), prefix: str = "dpsa", bucket_bytes: int = 25 << 20,
-                    repeats: int = 30) -> dict:
+                    repeats: int = 30, rounds: int = 2) -> dict:
     """Seconds per step of gloo's ring allreduce of the model's gradient with k processes of this
     host, over unshaped namespace links (plain loopback where namespaces are unavailable): the CPU
-    floor of allreduce on a shared host (copies, sums, veth), which a shaped link cannot go below."""
+    floor of allreduce on a shared host (copies, sums, veth), which a shaped link cannot go below.
+    The fastest of `rounds` runs is kept (a floor: other load on the box only adds time)."""
     from ps.launch import free_port
     out = {}
     for k in sorted(p for p in set(procs) if p >= 2):
         with _unshaped_topology(k, prefix) as topo:
             addr = topo.addr(0) if topo else "127.0.0.1"
-            port = "29611" if topo else str(free_port())
-            procs_ = []
-            for r in range(k):
-                env = {**_repo_env(), "GLOO_SOCKET_IFNAME": topo.ifname(r) if topo else "lo"}
-                cmd = [sys.executable, "-c", _ALLREDUCE_PROBE, str(r), str(k), addr, port, str(grad_bytes),
-                       str(bucket_bytes), str(repeats)]
-                procs_.append(subprocess.Popen((topo.exec_prefix(r) if topo else []) + cmd, env=env,
-                                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-            outs = [p.communicate(timeout=300)[0] for p in procs_]
-            if procs_[0].returncode != 0:
-                raise RuntimeError(f"allreduce probe with {k} processes failed (exit {procs_[0].returncode})")
-            out[k] = float(outs[0].strip())
+            for i in range(max(1, rounds)):
+                port = str(29611 + i) if topo else str(free_port())
+                procs_ = []
+                for r in range(k):
+                    env = {**_repo_env(), "GLOO_SOCKET_IFNAME": topo.ifname(r) if topo else "lo"}
+                    cmd = [sys.executable, "-c", _ALLREDUCE_PROBE, str(r), str(k), addr, port, str(grad_bytes),
+                           str(bucket_bytes), str(repeats)]
+                    procs_.append(subprocess.Popen((topo.exec_prefix(r) if topo else []) + cmd, env=env,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+                outs = [p.communicate(timeout=300)[0] for p in procs_]
+                if procs_[0].returncode != 0:
+                    raise RuntimeError(f"allreduce probe with {k} processes failed (exit {procs_[0].returncode})")
+                out[k] = min(out.get(k, math.inf), float(outs[0].strip()))
     return out
 
 
@@ -364,12 +366,14 @@ print(json.dumps(statistics.median(ts[5:])))
 """
 
 
-def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = "dpsa", steps: int = 30) -> dict:
+def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = "dpsa", steps: int = 30,
+                  rounds: int = 2) -> dict:
     """{codec: {k: s}}: the training step's PS path alone (DistributedOptimizer: bucketed PushPulls,
     codec kernels, BSP wait, loading the pulled values; no forward/backward) of k worker processes with
     the model's tensors against `shards` real `deltaps server`s, all on this host over unshaped
     namespace links (loopback without namespaces): the PS counterpart of probe_allreduce, the floor
-    a shaped link cannot go below when every process shares these cores."""
+    a shaped link cannot go below when every process shares these cores. Rounds interleave the
+    codecs and keep each one's fastest."""
     from ps.launch import _stop, _wait_port
     out: dict = {}
     spec = json.dumps([[name, int(numel)] for name, numel in tensors])
@@ -377,7 +381,7 @@ def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = 
         with _unshaped_topology(k + shards, prefix) as topo:
             host = [topo.addr(i) if topo else "127.0.0.1" for i in range(k + shards)]
             run = [topo.exec_prefix(i) if topo else [] for i in range(k + shards)]
-            for codec in codecs:
+            for codec in [c for _ in range(max(1, rounds)) for c in codecs]:
                 with tempfile.TemporaryDirectory(prefix="deltaps-advise-ps-") as tmp:
                     srvs = [subprocess.Popen(run[i] + [
                                 sys.executable, "-m", "ps", "server", "--host", host[i], "--port", "0", "--shard-id",
@@ -395,8 +399,9 @@ def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = 
                         outs = [c.communicate(timeout=300)[0] for c in clients]
                         if any(c.returncode for c in clients):
                             raise RuntimeError(f"PS step probe ({codec}, {k} workers, {shards} shards) failed")
-                        out.setdefault(cm.canonical(codec), {})[k] = statistics.median(
-                            float(o.strip().splitlines()[-1]) for o in outs)
+                        got = out.setdefault(cm.canonical(codec), {})
+                        got[k] = min(got.get(k, math.inf),
+                                     statistics.median(float(o.strip().splitlines()[-1]) for o in outs))
                     finally:
                         for c in clients:
                             if c.poll() is None:

@@ -334,7 +334,10 @@ def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = 
     comm = worker_cpu * ws + shard_phase
     spec = canonical(codec)
     if job.host_cores and W > 1 and spec in cal.ps_host_s and n == cal.ps_host_shards:   # measured host floor
-        comm = max(comm, cal.compute(W, cal.ps_host_s[spec]) * G / (cal.host_probe_bytes or G))
+        # measured on unshaped links; a shaped link adds the pull's transfer, which under BSP starts only
+        # once the step's last push is applied and so overlaps none of that CPU path
+        pull_link = _network(cal, job, max(max(W * s * pl for s in share), pl), W * pl, W)
+        comm = max(comm, cal.compute(W, cal.ps_host_s[spec]) * G / (cal.host_probe_bytes or G) + pull_link)
     k = W if job.host_cores else 1
     fb = cal.compute(k)
     g_last = last_bucket_bytes(job.tensors, job.bucket_cap_bytes)

@@ -37,12 +37,6 @@ def fill_chunk_from_tensor(c: pb.TensorChunk, key: str, t: torch.Tensor) -> int:
     return len(data)
 
 
-def chunk_from_payload(key: str, p: Payload) -> pb.TensorChunk:
-    c = pb.TensorChunk()
-    fill_chunk(c, key, p)
-    return c
-
-
 def chunk_from_tensor(key: str, t: torch.Tensor) -> pb.TensorChunk:
     c = pb.TensorChunk()
     fill_chunk_from_tensor(c, key, t)

@@ -240,11 +240,16 @@ def test_ps_never_beats_the_measured_host_step_path():
     job = cm.Job(tensors=[("a", G // 4)], workers=4, shards=2, host_cores=2)
     cal = _cal(bandwidth_Bps=1e12, cores=2, fwd_bwd_s={1: 0.0, 4: 0.0},
                ps_host_s={"int8": {2: 0.004, 4: 0.010}}, host_probe_bytes=G / 2, ps_host_shards=2)
-    # measured with half the bytes: scaled by G / measured bytes; no overlap (bwd_fraction 0)
-    assert cm.predict_ps(cal, job, "int8")["step_s"] == pytest.approx(0.020)
-    # 3 workers: interpolated between the probed 2 and 4
+    # measured with half the bytes: scaled by G / measured bytes; no overlap (bwd_fraction 0); plus the
+    # int8 pull's transfer on the hot link: the one 4 MiB key sits on one shard, which sends W x G/4
+    # after the step's last push
+    pull_hot = 4 * G / 4
+    assert cm.predict_ps(cal, job, "int8")["step_s"] == pytest.approx(0.020 + pull_hot / 1e12)
+    shaped = cm.predict_ps(_cal(**{**cal.__dict__, "bandwidth_Bps": 1e9}), job, "int8")
+    assert shaped["step_s"] == pytest.approx(0.020 + pull_hot / 1e9)
+    # 3 workers: interpolated between the probed 2 and 4 (hot pull link 3 x G/4)
     three = cm.predict_ps(cal, cm.Job(tensors=job.tensors, workers=3, shards=2, host_cores=2), "int8")
-    assert three["step_s"] == pytest.approx(0.014)
+    assert three["step_s"] == pytest.approx(0.014 + 3 * G / 4 / 1e12)
     # another shard count, another codec or one device per worker: the floor does not apply
     for other, codec in [(cm.Job(tensors=job.tensors, workers=4, shards=1, host_cores=2), "int8"),
                          (job, "none"), (cm.Job(tensors=job.tensors, workers=4, shards=2), "int8")]:
@@ -286,3 +291,18 @@ def test_committed_validation_grid_stays_within_25_percent(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("| 10gbit  |") == 8 and "worst |error|" in out
     assert advise.main(["validate", "--dir", str(tmp_path / "grid"), "--tolerance", "0.05"]) == 1
+
+
+def test_readme_flip_on_the_committed_measured_profile(capsys):
+    """The README's flip: one measured profile, 64 GPUs, 1M steps: int8 on 100mbit, allreduce on 25gbit."""
+    import os
+    d = os.path.join(os.path.dirname(__file__), "..", "docs", "advise-validation")
+    profile = ["--profile", os.path.join(d, "w4_1gbit.profile.json"), "--profile", os.path.join(d, "w4_1gbit.json")]
+    words = {}
+    for bw in ("100mbit", "25gbit"):
+        assert advise.main(profile + ["--gpus", "64", "--steps", "1000000", "--bandwidth", bw]) == 0
+        words[bw] = capsys.readouterr().out
+    assert "RECOMMENDATION: ps:int8   [decision table row: gradient quantization]" in words["100mbit"]
+    assert "accuracy risk is HIGH (-5.28 pp measured)" in words["100mbit"]
+    assert "RECOMMENDATION: allreduce" in words["25gbit"]
+    assert "compression overhead exceeds its savings" in words["25gbit"]
