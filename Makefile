@@ -59,7 +59,7 @@ bench: setup
 # deltaps advise: predicted vs measured step time on the bench compare grid (2 and 4 workers x 100mbit,
 # 1gbit, 10gbit x 4 modes; needs root for the shaped namespaces; ~25 minutes; reports kept in /tmp/deltaps-advise-validate)
 advise-validate: setup
-	$(BIN)/python -m ps.advise validate --workers 2,4 --bandwidths 100mbit,1gbit,10gbit --steps 30 --dir /tmp/deltaps-advise-validate
+	$(BIN)/python -m deltaps.tools.advise validate --workers 2,4 --bandwidths 100mbit,1gbit,10gbit --steps 30 --dir /tmp/deltaps-advise-validate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

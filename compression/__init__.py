@@ -1,5 +1,5 @@
 """Gradient codecs: compress(tensor) -> Payload, decompress(Payload) -> tensor, plus error feedback."""
-from compression.base import Codec, Payload, CodecError, get_codec, parse_spec, register, available_codecs
+from compression.base import Codec, CodecError, Payload, available_codecs, get_codec, parse_spec, register
 from compression.feedback import ErrorFeedback
 from compression.policy import Compressor
 from compression.server import Decoded, accumulate_payload, decode_payload, unpack_payload

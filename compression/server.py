@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from compression.base import _REGISTRY, _load_builtin, Codec, CodecError, Payload
+from compression.base import _REGISTRY, Codec, CodecError, Payload, _load_builtin
 from compression.wire import check_payload
 
 _CORRUPT = (RuntimeError, ValueError, TypeError, IndexError, KeyError, OverflowError)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from compression import buffers
-from compression.base import CodecError, Payload, TORCH_DTYPES
+from compression.base import TORCH_DTYPES, CodecError, Payload
 
 MAX_NUMEL = (1 << 31) - 1  # indices travel as int32
 

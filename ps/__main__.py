@@ -1,3 +1,3 @@
-from ps.cli import main
+from deltaps.cli import main
 
 raise SystemExit(main())

@@ -21,12 +21,13 @@ from dataclasses import asdict
 
 import torch
 
+from deltaps.layout import Key
+from deltaps.optimizer_config import OptimizerConfig
+from deltaps.sync import parse_sync
 from ps.checkpoint import load_latest, write_checkpoint
-from ps.optimizer import KeyOptimizer, OptimizerConfig
-from ps.partition import Key
-from ps.pull_codec import PullView
+from ps.optimizer import KeyOptimizer
+from ps.pull_views import PullView
 from ps.shard import Job, KeyState, Shard
-from ps.sync import parse_sync
 
 log = logging.getLogger("deltaps.durability")
 FORMAT = 1

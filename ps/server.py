@@ -9,13 +9,15 @@ from concurrent import futures
 import grpc
 
 from compression.base import CodecError
+from deltaps.errors import ShardError, abort
+from deltaps.layout import Key
+from deltaps.optimizer_config import OptimizerConfig
+from deltaps.pull_codec import DELTA, FULL
+from deltaps.security import Security
+from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
+from deltaps.wire import decode_chunk, fill_chunk, fill_chunk_from_tensor, unpack_chunk
 from protos import PROTOCOL_VERSION, pb, rpc
-from ps.optimizer import OptimizerConfig
-from ps.partition import Key
-from ps.shard import Shard, ShardError
-from ps.pull_codec import DELTA, FULL
-from ps.security import Security
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, decode_chunk, fill_chunk, fill_chunk_from_tensor, grpc_options, unpack_chunk
+from ps.shard import Shard
 
 log = logging.getLogger("deltaps.server")
 
@@ -26,7 +28,7 @@ def _guard(fn):
         try:
             return fn(self, request, context)
         except ShardError as e:
-            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            abort(context, e)
         except CodecError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad payload: {e}")
     wrapper.__name__ = fn.__name__
@@ -188,7 +190,7 @@ def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
     """Start serving; returns (grpc.Server, bound port). Port 0 picks a free port.
 
     metrics: an optional ps.metrics.ServerMetrics whose hooks wrap the servicer's RPCs.
-    security: an optional ps.security.Security (token auth on every RPC, TLS/mTLS); None = plaintext, no auth."""
+    security: an optional deltaps.security.Security (token auth on every RPC, TLS/mTLS); None = plaintext, no auth."""
     security = security or Security()
     for warning in security.exposure_warnings(host):
         log.warning("%s", warning)
@@ -218,7 +220,7 @@ def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = No
              (kw.get("security") or Security()).describe("server"))
     print(f"deltaps server shard={shard.shard_id} listening on {host}:{bound}", flush=True)
     if port_file:
-        from ps.metrics import write_port_file
+        from deltaps.exporter import write_port_file
         write_port_file(port_file, bound)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

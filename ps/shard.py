@@ -19,21 +19,17 @@ from dataclasses import dataclass, field
 import torch
 
 from compression.server import Decoded
-from ps.optimizer import KeyOptimizer, OptimizerConfig
-from ps.partition import Key
-from ps.pull_codec import FULL, UNCHANGED, PullView, resolve_pull_codec
-from ps.sync import SyncMode, parse_sync
+from deltaps.errors import NOT_LIVE_MEMBER, ShardError
+from deltaps.layout import Key
+from deltaps.optimizer_config import OptimizerConfig
+from deltaps.pull_codec import FULL, UNCHANGED, resolve_pull_codec
+from deltaps.sync import SyncMode, parse_sync
+from ps.optimizer import KeyOptimizer
+from ps.pull_views import PullView
 
 log = logging.getLogger("deltaps.shard")
 
 
-class ShardError(Exception):
-    """A request the shard refuses; `code` is a grpc.StatusCode name."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass
@@ -270,7 +266,8 @@ class Shard:
         job = self._require_job()
         if worker not in self.live:
             raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not a live member of the job "
-                                                    f"(evicted or never registered; Register to rejoin)")
+                                                    f"(evicted or never registered; Register to rejoin)",
+                             reason=NOT_LIVE_MEMBER)
         if step < 0:
             raise ShardError("INVALID_ARGUMENT", f"step must be >= 0, got {step}")
         self.touch(worker)

@@ -1,6 +1,6 @@
 import torch
 
-from ps.optimizer import OptimizerConfig
+from deltaps.optimizer_config import OptimizerConfig
 from worker.client import PSClient
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import threading
 
-from ps.config import TrainConfig
-from ps.metrics import ServerMetrics, start_exporter, stop_exporter
+from deltaps.config import TrainConfig
+from deltaps.exporter import start_exporter, stop_exporter
+from ps.metrics import ServerMetrics
 from ps.server import start_server
 from ps.shard import Shard
 from worker.metrics import WorkerMetrics
@@ -55,7 +56,7 @@ class MetricsCluster:
         return [f"127.0.0.1:{p}" for p in self.server_metrics_ports + self.worker_metrics_ports]
 
     def start_training(self) -> None:
-        from worker.train import train_ps
+        from worker.trainers.ps import train_ps
 
         def run(r):
             try:

@@ -1,5 +1,5 @@
 import sys
 
-from ps.cli import main
+from deltaps.cli import main
 
 raise SystemExit(main(["worker"] + sys.argv[1:]))

@@ -7,33 +7,19 @@ import zlib
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import grpc
 import numpy as np
 import torch
 
 from compression.base import Payload, dtype_name
+from deltaps.errors import PSError, call
+from deltaps.layout import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
+from deltaps.optimizer_config import OptimizerConfig
+from deltaps.pull_codec import DELTA, FULL
+from deltaps.sync import parse_sync
+from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, RECONNECT_OPTIONS, grpc_options
+from deltaps.wire import accumulate_payload_into, chunk_from_tensor, fill_chunk, read_chunk
 from protos import PROTOCOL_VERSION, pb, rpc
-from ps.optimizer import OptimizerConfig
-from ps.partition import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
-from ps.sync import parse_sync
-from ps.pull_codec import DELTA, FULL
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, accumulate_payload_into, chunk_from_tensor, fill_chunk, grpc_options, read_chunk
-from worker.reliability import RECONNECT_OPTIONS, ShardSession
-
-
-class PSError(RuntimeError):
-    """A server refused a request; carries the gRPC status code."""
-
-    def __init__(self, code, message: str):
-        super().__init__(f"{code.name if code else 'UNKNOWN'}: {message}")
-        self.code = code
-
-
-def _call(fn, request, timeout):
-    try:
-        return fn(request, timeout=timeout)
-    except grpc.RpcError as e:
-        raise PSError(e.code(), e.details()) from None
+from worker.session import ShardSession
 
 
 class CommStats:
@@ -75,8 +61,8 @@ class PSClient:
         # raw data per PushPull message: its request and its answer (even a full-value one) stay below the limit
         self.fused_bytes = max(chunk_bytes, min(2 * chunk_bytes, max_message_bytes - (1 << 20)))
         self.timeout_s = timeout_s
-        # security: a ps.security.Security (token, TLS); None = token from $DELTAPS_TOKEN if set, plaintext
-        from ps.security import Security
+        # security: a deltaps.security.Security (token, TLS); None = token from $DELTAPS_TOKEN if set, plaintext
+        from deltaps.security import Security
         self.security = security if security is not None else Security.from_env()
         self.channels = [self.security.channel(s, grpc_options(max_message_bytes) + RECONNECT_OPTIONS)
                          for s in self.servers]
@@ -298,7 +284,7 @@ class PSClient:
 
     def set_codec(self, spec: str) -> int:
         """Switch the whole job's codec (every shard; workers adopt it at their next step)."""
-        epochs = [_call(stub.SetCodec, pb.SetCodecRequest(codec=spec), 10.0).codec_epoch for stub in self.stubs]
+        epochs = [call(stub.SetCodec, pb.SetCodecRequest(codec=spec), 10.0).codec_epoch for stub in self.stubs]
         self._note_codec(spec, max(epochs))
         return max(epochs)
 
@@ -312,7 +298,7 @@ class PSClient:
     def server_stats(self) -> list[dict]:
         out = []
         for stub in self.stubs:
-            msg = _call(stub.Stats, pb.StatsRequest(), 10.0)
+            msg = call(stub.Stats, pb.StatsRequest(), 10.0)
             out.append({f.name: (list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name))
                         for f in msg.DESCRIPTOR.fields})
         return out

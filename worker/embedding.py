@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaps.embedding import TableSpec, ids_to_bytes, rows_from_bytes, rows_to_bytes
+from deltaps.errors import call
+from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from protos import PROTOCOL_VERSION, pb, rpc
-from ps.embedding import TableSpec, ids_to_bytes, rows_from_bytes, rows_to_bytes
-from ps.wire import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
-from worker.client import CommStats, _call
+from worker.client import CommStats
 
 
 class EmbeddingClient:
@@ -35,7 +36,7 @@ class EmbeddingClient:
                  chunk_bytes: int = 4 << 20, security=None):
         if not servers:
             raise ValueError("at least one server address is needed")
-        from ps.security import Security
+        from deltaps.security import Security
         self.security = security if security is not None else Security.from_env()
         self.servers, self.worker_id, self.world_size = list(servers), worker_id, world_size
         self.n = len(self.servers)
@@ -62,7 +63,7 @@ class EmbeddingClient:
                 except Exception as e:  # noqa: BLE001 - grpc.RpcError; retry only UNAVAILABLE
                     import grpc
                     if not isinstance(e, grpc.RpcError) or e.code() != grpc.StatusCode.UNAVAILABLE or i == attempts - 1:
-                        return _call(self.stubs[shard].RegisterEmbedding, req, self.timeout_s)
+                        return call(self.stubs[shard].RegisterEmbedding, req, self.timeout_s)
                     time.sleep(0.25)
         reps = list(self.pool.map(one, range(self.n)))
         for s, r in enumerate(reps):
@@ -112,7 +113,7 @@ class EmbeddingClient:
                 req = pb.SparsePullRequest(worker_id=self.worker_id, min_version=min_version, timeout_s=self.timeout_s,
                                            rows=[pb.EmbeddingRows(table=n, ids=ids_to_bytes(i)) for n, _, i in batch])
                 t0 = time.perf_counter()
-                rep = _call(self.stubs[shard].SparsePull, req, self.timeout_s + 30)
+                rep = call(self.stubs[shard].SparsePull, req, self.timeout_s + 30)
                 self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,
                                bytes_pulled_wire=sum(len(r.values) for r in rep.rows),
                                bytes_pull_req=sum(len(r.ids) for r in req.rows))
@@ -140,7 +141,7 @@ class EmbeddingClient:
         def one(shard):
             req = pb.SparsePushRequest(worker_id=self.worker_id, step=step, grads=per_shard[shard])
             t0 = time.perf_counter()
-            rep = _call(self.stubs[shard].SparsePush, req, self.timeout_s + 30)
+            rep = call(self.stubs[shard].SparsePush, req, self.timeout_s + 30)
             wire = sum(len(r.ids) + len(r.values) for r in req.grads)
             self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_wire=wire,
                            bytes_pushed_raw=wire, rows_pushed=sum(len(r.ids) // 8 for r in req.grads))
@@ -153,7 +154,7 @@ class EmbeddingClient:
 
     def server_stats(self) -> list[dict]:
         import json
-        return [json.loads(_call(s.EmbeddingStats, pb.EmbeddingStatsRequest(), 30).json) for s in self.stubs]
+        return [json.loads(call(s.EmbeddingStats, pb.EmbeddingStatsRequest(), 30).json) for s in self.stubs]
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

@@ -1,7 +1,7 @@
 """Prometheus exporter of one training worker: step-time split, throughput, bytes, RPC latency, loss, GPU.
 
     m = WorkerMetrics(rank)              # own CollectorRegistry
-    start_exporter(m.registry, port)     # ps.metrics.start_exporter
+    start_exporter(m.registry, port)     # deltaps.exporter.start_exporter
     m.attach(opt)                        # a DistributedOptimizer (after construction)
     ... per step: m.on_step(step_seconds, loss, batch_size)
 
@@ -20,7 +20,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ps.metrics import LATENCY_BUCKETS
+from deltaps.exporter import LATENCY_BUCKETS
 from worker.client import CommStats
 
 log = logging.getLogger("deltaps.metrics")

@@ -13,9 +13,8 @@ from concurrent.futures import Future
 
 import torch
 
-from ps.optimizer import OptimizerConfig
+from deltaps.optimizer_config import OptimizerConfig
 from worker.client import PSClient
-
 
 DEFAULT_BUCKET_BYTES = 25 << 20     # as DDP's bucket_cap_mb default
 

@@ -1,0 +1,3 @@
+from deltaps.cli import main
+
+raise SystemExit(main())

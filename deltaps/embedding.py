@@ -1,0 +1,119 @@
+"""Embedding table specs, their deterministic initialisation and the row wire format: what shards and
+clients of row-sparse embedding tables must agree on (the server's store is ps/embedding/)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deltaps.errors import EmbeddingError
+
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+INITS = ("uniform", "zeros")
+STATE_TENSORS = {"sgd": 0, "adagrad": 1, "adam": 2}
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    num_rows: int
+    dim: int
+    optimizer: str = "adagrad"
+    lr: float = 0.01
+    eps: float = 1e-10
+    beta1: float = 0.9
+    beta2: float = 0.999
+    initial_accumulator: float = 0.0
+    init: str = "uniform"
+    init_scale: float = 0.05
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.name:
+            raise ValueError("embedding table needs a name")
+        if self.num_rows < 1 or self.dim < 1:
+            raise ValueError(f"table {self.name}: num_rows and dim must be >= 1")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"table {self.name}: unknown optimizer {self.optimizer!r}; use {', '.join(OPTIMIZERS)}")
+        if self.init not in INITS:
+            raise ValueError(f"table {self.name}: unknown init {self.init!r}; use {', '.join(INITS)}")
+        if not self.lr > 0:
+            raise ValueError(f"table {self.name}: lr must be > 0")
+
+    @property
+    def bytes_per_row(self) -> int:
+        return self.dim * 4 * (1 + STATE_TENSORS[self.optimizer])
+
+    @property
+    def nbytes(self) -> int:
+        """Values only (what a dense nn.Embedding of this size holds)."""
+        return self.num_rows * self.dim * 4
+
+    def to_proto(self, msg) -> None:
+        for k, v in self.__dict__.items():
+            setattr(msg, k, v)
+
+    @classmethod
+    def from_proto(cls, msg) -> "TableSpec":
+        return cls(**{k: getattr(msg, k) for k in cls.__dataclass_fields__})
+
+
+# ---- deterministic initialisation: a pure function of (seed, row, column) ---------------------------------
+_M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser (vectorised, wrapping uint64 arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def hash_uniform(ids, dim: int, seed: int, scale: float = 1.0, salt: int = 0) -> torch.Tensor:
+    """float32 [len(ids), dim], uniform in [-scale, scale), identical for a row wherever it is computed."""
+    ids = np.asarray(ids, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        base = _mix(ids * _GOLD + np.uint64((seed * 1_000_003 + salt * 7_919 + 1) & 0xFFFFFFFFFFFFFFFF))
+        cols = np.arange(dim, dtype=np.uint64) * _GOLD
+        h = _mix(base[:, None] ^ cols[None, :])
+    u = (h >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / (1 << 24))   # [0, 1)
+    return torch.from_numpy((u * np.float32(2 * scale) - np.float32(scale)).astype(np.float32))
+
+
+def init_rows(spec: TableSpec, ids) -> torch.Tensor:
+    if spec.init == "zeros":
+        return torch.zeros(len(ids), spec.dim)
+    return hash_uniform(ids, spec.dim, spec.seed, spec.init_scale)
+
+
+def dense_init(spec: TableSpec, block: int = 1 << 16) -> torch.Tensor:
+    """The whole table as one dense tensor (what an nn.Embedding in allreduce / ps mode starts from)."""
+    out = torch.empty(spec.num_rows, spec.dim)
+    for lo in range(0, spec.num_rows, block):
+        hi = min(spec.num_rows, lo + block)
+        out[lo:hi] = init_rows(spec, np.arange(lo, hi))
+    return out
+
+
+# ---- row wire format ----------------------------------------------------------------------------------------
+def ids_to_bytes(ids: torch.Tensor) -> bytes:
+    return ids.to(torch.int64).contiguous().numpy().astype("<i8", copy=False).tobytes()
+
+
+def ids_from_bytes(b: bytes) -> torch.Tensor:
+    if len(b) % 8:
+        raise EmbeddingError("INVALID_ARGUMENT", "row ids must be int64 (length a multiple of 8)")
+    return torch.from_numpy(np.frombuffer(b, dtype="<i8").astype(np.int64))
+
+
+def rows_to_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to(torch.float32).contiguous().numpy().tobytes()
+
+
+def rows_from_bytes(b: bytes, n: int, dim: int) -> torch.Tensor:
+    if len(b) != n * dim * 4:
+        raise EmbeddingError("INVALID_ARGUMENT", f"row values: {len(b)} bytes for {n} rows x {dim} float32")
+    return torch.from_numpy(np.frombuffer(b, dtype=np.float32).copy()).view(n, dim)

@@ -1,0 +1,447 @@
+"""`deltaps bench compare`: ring allreduce (DDP) vs deltaps PS codecs, side by side, on a shaped network.
+
+    deltaps bench compare --workers 4 --bandwidth 1gbit \
+        --modes allreduce,ps:none,ps:int8,ps:topk:ratio=0.01 --json out.json --plot out.png
+
+Each process (PS shard or worker) gets a network namespace of its own, linked to a bridge by a
+veth pair shaped with tbf in both directions (ps/netns.py), so all traffic between processes crosses
+`--bandwidth` links. Modes run back to back in one invocation on the same topology, with the same
+model, data, seed, optimizer and steps; speed-ups and accuracy deltas are against the allreduce run of
+the same invocation. Without root / iproute2, or with --no-shaping, everything runs on loopback and
+the report says so.
+
+Mode specs: `allreduce`; `ps` or `ps:<codec spec>` (split on the first colon: ps:topk:ratio=0.01 ->
+codec topk:ratio=0.01); `ps-asp:<codec spec>` for asynchronous PS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+from deltaps.config import load_config
+from deltaps.tools import netns
+from deltaps.tools.launch import _stop, _tail, _wait_port, _wait_workers, free_port, summarize
+
+IN_FEATURES, CLASSES = 64, 10
+
+
+def mlp_params(hidden: int, layers: int) -> int:
+    return (IN_FEATURES * hidden + hidden) + (layers - 1) * (hidden * hidden + hidden) + hidden * CLASSES + CLASSES
+
+
+def hidden_for_params(n: int, layers: int) -> int:
+    """Smallest hidden width whose MLP has at least n parameters."""
+    lo, hi = 1, 1 << 20
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mlp_params(mid, layers) >= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def parse_mode(spec: str) -> dict:
+    """'allreduce' | 'ps[:codec]' | 'ps-asp[:codec]' -> TrainConfig overrides."""
+    head, _, codec = spec.strip().partition(":")
+    if head == "allreduce":
+        if codec:
+            raise ValueError(f"mode {spec!r}: allreduce takes no codec")
+        return {"mode": "allreduce"}
+    if head in ("ps", "ps-bsp", "ps-asp"):
+        return {"mode": "ps", "sync": "asp" if head == "ps-asp" else "bsp", "codec": codec or "none"}
+    if head == "hybrid":   # embeddings row-sparse on the PS, the rest allreduced (--workload ctr)
+        if codec:
+            raise ValueError(f"mode {spec!r}: hybrid takes no codec")
+        return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr"}
+    raise ValueError(f"unknown mode spec {spec!r}; use allreduce, ps:<codec>, ps-asp:<codec> or hybrid")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltaps bench compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--servers", type=int, default=None,
+                   help="PS shards for the ps modes (default: as many as workers, as BytePS recommends: "
+                        "every shard link carries workers x its share of the model)")
+    p.add_argument("--bandwidth", default="1gbit", help="per-process link rate, each direction (tc syntax)")
+    p.add_argument("--latency", default=None, help="one-way process-to-process latency (needs netem)")
+    p.add_argument("--modes", default="allreduce,ps:none,ps:int8,ps:topk:ratio=0.01",
+                   help="comma-separated mode specs (a comma inside a codec spec is not supported)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--model-params", type=int, default=None, help="size the MLP to about this many parameters "
+                   "(sets --hidden for the given --layers)")
+    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="per-RPC / collective timeout, seconds")
+    p.add_argument("--workload", default=None, choices=["mlp", "ctr"],
+                   help="mlp (digits MLP) or ctr (click-through model with a large embedding table); default ctr "
+                        "when --modes has hybrid, else mlp")
+    p.add_argument("--embedding-rows", type=int, default=1_000_000, help="ctr: embedding table rows")
+    p.add_argument("--embedding-dim", type=int, default=64, help="ctr: embedding width")
+    p.add_argument("--embedding-fields", type=int, default=8, help="ctr: categorical fields per sample")
+    p.add_argument("--embedding-optimizer", default="adagrad", help="ctr: table optimizer (sgd, adagrad, adam)")
+    p.add_argument("--embedding-lr", type=float, default=0.05, help="ctr: table learning rate")
+    p.add_argument("--zipf-a", type=float, default=1.1, help="ctr: Zipf exponent of the ids")
+    p.add_argument("--ps-params", default="embedding", help="hybrid: modules on the PS (embedding or patterns)")
+    p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespaces")
+    p.add_argument("--netns-prefix", default=netns.PREFIX,
+                   help="name prefix of the namespaces/links this run creates (and whose stale leftovers it removes)")
+    p.add_argument("--json", help="write the report JSON here")
+    p.add_argument("--plot", help="write a PNG (step-time split and accuracy per mode) here")
+    p.add_argument("--keep-logs", action="store_true", help="print the log directory instead of hiding it")
+    return p
+
+
+class _Net:
+    """Where process i runs: a namespace of the topology, or loopback."""
+
+    def __init__(self, topo: "netns.Topology | None"):
+        self.topo = topo
+
+    def prefix(self, i: int) -> list[str]:
+        return self.topo.exec_prefix(i) if self.topo else []
+
+    def addr(self, i: int) -> str:
+        return self.topo.addr(i) if self.topo else "127.0.0.1"
+
+    def ifname(self, i: int) -> str:
+        return self.topo.ifname(i) if self.topo else "lo"
+
+    def counters(self, nodes) -> dict:
+        return {i: self.topo.link_bytes(i) for i in nodes} if self.topo else {}
+
+
+def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
+    over = {**base, **parse_mode(spec)}
+    cfg = load_config(None, over)
+    d = os.path.join(tmp, spec.replace(":", "_").replace("=", "-").replace("/", "_"))
+    os.makedirs(d, exist_ok=True)
+    cfg_path = os.path.join(d, "config.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
+    py = [sys.executable, "-m", "deltaps"]
+    S, W = args.servers, args.workers
+    worker_nodes = list(range(S, S + W))      # nodes 0..S-1 are shards, S.. are workers
+    servers, workers = [], []
+    t0 = time.perf_counter()
+    try:
+        if cfg.mode in ("ps", "hybrid"):
+            for i in range(S):
+                log = open(os.path.join(d, f"server{i}.log"), "w")
+                servers.append(subprocess.Popen(
+                    net.prefix(i) + py + ["server", "--host", net.addr(i), "--port", "0", "--shard-id", str(i),
+                                          "--num-shards", str(S), "--port-file", os.path.join(d, f"server{i}.port"),
+                                          "--wait-timeout", str(args.timeout * 2)],
+                    stdout=log, stderr=subprocess.STDOUT))
+            addrs = [f"{net.addr(i)}:{_wait_port(os.path.join(d, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
+            target = ["--servers", ",".join(addrs)]
+            if cfg.mode == "hybrid":   # + the gloo rendezvous of the dense part
+                target += ["--master-addr", net.addr(worker_nodes[0]), "--master-port",
+                           str(29500 if net.topo else free_port())]
+        else:
+            port = 29500 if net.topo else free_port()
+            target = ["--master-addr", net.addr(worker_nodes[0]), "--master-port", str(port)]
+        before = net.counters(worker_nodes)
+        for r, node in enumerate(worker_nodes):
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname(node)}
+            log = open(os.path.join(d, f"worker{r}.log"), "w")
+            workers.append(subprocess.Popen(
+                net.prefix(node) + py + ["worker", *target, "--rank", str(r), "--world-size", str(W),
+                                         "--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"),
+                                         "--no-progress"],
+                stdout=log, stderr=subprocess.STDOUT, env=env))
+        failed = _wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 5.0)
+        if failed:
+            logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{_tail(os.path.join(d, f'worker{r}.log'))}"
+                             for r, c in failed)
+            raise RuntimeError(f"mode {spec}: {len(failed)} worker(s) failed:\n{logs}")
+        after = net.counters(worker_nodes)
+    finally:
+        _stop(workers)
+        _stop(servers)
+    results = [json.load(open(os.path.join(d, f"worker{r}.json"))) for r in range(W)]
+    s = summarize(cfg, results, time.perf_counter() - t0)
+    shares = []
+    for r in results:
+        tot = max(1e-12, r["compute_s"] + r["comm_s"] + r["wait_s"])
+        shares.append((r["compute_s"] / tot, r["comm_s"] / tot, r["wait_s"] / tot))
+    out = {
+        "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "steps": cfg.steps,
+        "median_step_s": s["median_step_s"], "mean_step_s": s["mean_step_s"], "wall_s": s["wall_s"],
+        "samples_per_s": s["samples_per_s"],
+        "compute_share": sum(x[0] for x in shares) / W, "comm_share": sum(x[1] for x in shares) / W,
+        "wait_share": sum(x[2] for x in shares) / W,
+        "compute_s_per_step": s["compute_s"] / cfg.steps, "comm_s_per_step": s["comm_s"] / cfg.steps,
+        "wait_s_per_step": s["wait_s"] / cfg.steps,
+        # application-level bytes one worker sends / receives per step (allreduce: 2(p-1)/p x gradient bytes)
+        "bytes_per_step": s["bytes_pushed_wire"] / W / cfg.steps,
+        "bytes_pulled_per_step": s["bytes_pulled_wire"] / W / cfg.steps,
+        "compression_ratio": s["compression_ratio"],
+        "final_test_accuracy": s["final_test_accuracy"], "final_train_loss": s["final_train_loss"],
+        "final_codec": s["final_codec"], "codec_fallbacks": s["codec_fallbacks"],
+        "model_params": s["model_params"],
+    }
+    if cfg.workload == "ctr":   # click-through workload: AUC / log-loss on the held-out set, loss curve
+        r0 = results[0]
+        out.update({k: r0[k] for k in ("final_test_auc", "final_test_loss", "oracle_auc", "oracle_loss")})
+        out["losses_rank0"] = r0["losses"]
+        for k in ("sparse_bytes_pushed", "sparse_bytes_pulled", "dense_ring_bytes", "rows_pushed"):
+            if k in r0:
+                out[k + "_per_step"] = sum(r[k] for r in results) / W / cfg.steps
+    if before:
+        tx = sum(after[i][0] - before[i][0] for i in worker_nodes) / W
+        rx = sum(after[i][1] - before[i][1] for i in worker_nodes) / W
+        # measured on each worker's veth for the whole run (setup, final pull and TCP/IP overhead included)
+        out["veth_tx_bytes_per_step"] = tx / cfg.steps
+        out["veth_rx_bytes_per_step"] = rx / cfg.steps
+    if cfg.mode in ("allreduce", "hybrid") and cfg.workload == "ctr":
+        out["timing_method"] = results[0].get("timing_method")
+    elif cfg.mode == "allreduce":
+        out["timing_method"] = results[0].get("timing_method")
+        out["params_max_diff_across_ranks"] = max(r.get("params_max_diff_across_ranks", 0.0) for r in results)
+    else:
+        out["timing_method"] = ("PS DistributedOptimizer: blocked = time step() waits for pushes/pulls; "
+                                "wait = server-side wait for other workers (BSP); comm = blocked - wait")
+    return out
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return str(n)
+
+
+def format_table(report: dict) -> str:
+    cols = ["mode", "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step",
+            "test acc", "Δacc vs AR", "speed-up vs AR"]
+    if report.get("workload") == "ctr":
+        return format_table_ctr(report)
+    rows = []
+    for spec, m in report["modes"].items():
+        if "error" in m:
+            rows.append([spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (len(cols) - 2))
+            continue
+        sp = m.get("speedup_vs_allreduce")
+        da = m.get("accuracy_delta_vs_allreduce")
+        rows.append([spec, f"{m['median_step_s'] * 1e3:.1f} ms", f"{m['samples_per_s']:.0f}",
+                     f"{m['compute_share']:.0%}/{m['comm_share']:.0%}/{m['wait_share']:.0%}",
+                     _fmt_bytes(m["bytes_per_step"]),
+                     _fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a",
+                     f"{m['final_test_accuracy'] * 100:.2f} %",
+                     "—" if da is None else f"{da * 100:+.2f} pp",
+                     "—" if sp is None else f"x{sp:.2f}"])
+    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def format_table_ctr(report: dict) -> str:
+    cols = ["mode", "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step",
+            "test AUC", "test logloss", "max |Δloss| vs AR", "speed-up vs AR"]
+    rows = []
+    for spec, m in report["modes"].items():
+        if "error" in m:
+            rows.append([spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (len(cols) - 2))
+            continue
+        sp, dl = m.get("speedup_vs_allreduce"), m.get("loss_curve_max_abs_diff_vs_allreduce")
+        rows.append([spec, f"{m['median_step_s'] * 1e3:.1f} ms", f"{m['samples_per_s']:.0f}",
+                     f"{m['compute_share']:.0%}/{m['comm_share']:.0%}/{m['wait_share']:.0%}",
+                     _fmt_bytes(m["bytes_per_step"]),
+                     _fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a",
+                     f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
+                     "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"])
+    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def header(report: dict) -> str:
+    net = report["network"]
+    if report.get("workload") == "ctr":
+        e = report["embedding"]
+        model = (f"model: click-through, embedding {e['rows']:,} x {e['dim']} ({_fmt_bytes(e['rows'] * e['dim'] * 4)}, "
+                 f"{e['optimizer']} lr {e['lr']}), {e['fields']} Zipf({e['zipf_a']}) fields + 13 dense -> "
+                 f"MLP {report['hidden']}x{report['layers']}; {report['model_params']:,} params")
+    else:
+        model = (f"model: MLP 64-{report['hidden']}x{report['layers']}-10, {report['model_params']:,} params "
+                 f"({_fmt_bytes(report['model_params'] * 4)} of fp32 gradient per step)")
+    lines = [f"deltaps bench compare: {report['workers']} workers, {report['servers']} PS shards, "
+             f"{report['steps']} steps x batch {report['batch_size']}/worker, optimizer {report['optimizer']} "
+             f"lr {report['lr']}, seed {report['seed']}", model,
+             f"network: {net['description']}"]
+    if net.get("measured_link_gbit_s") is not None:
+        lines.append(f"         measured one TCP stream worker->worker: {net['measured_link_gbit_s']:.3f} Gbit/s")
+    lines.append(f"host: {report['host_cpus']} CPU cores shared by all processes "
+                 f"({report['workers']} workers + {report['servers']} shards in ps modes)")
+    for n in net.get("notes", []):
+        lines.append(f"NOTE: {n}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [k for k, m in report["modes"].items() if "error" not in m]
+    ms = [report["modes"][k] for k in modes]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(modes) + 4), 4.5),
+                                   gridspec_kw={"width_ratios": [2, 1]})
+    x = range(len(modes))
+    bottom = [0.0] * len(modes)
+    for key, label, color in (("compute_s_per_step", "compute", "#4c72b0"), ("comm_s_per_step", "comm", "#dd8452"),
+                              ("wait_s_per_step", "wait", "#c44e52")):
+        vals = [m[key] * 1e3 for m in ms]
+        ax1.bar(x, vals, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, m in enumerate(ms):
+        sp = m.get("speedup_vs_allreduce")
+        ax1.text(i, bottom[i], f"{bottom[i]:.0f} ms" + (f"\nx{sp:.2f}" if sp else ""), ha="center", va="bottom",
+                 fontsize=8)
+    ax1.set_ylim(0, max(bottom, default=0) * 1.15 or 1)    # headroom for the labels above the bars
+    ax1.set_xticks(list(x), modes, rotation=15, fontsize=8)
+    ax1.set_ylabel("mean step time (ms)")
+    ax1.set_title(f"step split, {report['workers']} workers @ {report['bandwidth']}"
+                  + ("" if report["shaped"] else " (loopback, NOT shaped)"), fontsize=9)
+    ax1.legend(fontsize=8)
+    accs = [m["final_test_accuracy"] * 100 for m in ms]
+    ax2.bar(x, accs, color="#55a868")
+    for i, a in enumerate(accs):
+        ax2.text(i, a, f"{a:.1f}", ha="center", va="bottom", fontsize=8)
+    ax2.set_ylim(max(0, min(accs) - 10), 100)
+    ax2.set_xticks(list(x), modes, rotation=15, fontsize=8)
+    ax2.set_ylabel("final test accuracy (%)")
+    ax2.set_title(f"accuracy, MLP {report['model_params'] / 1e6:.1f}M params", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare(args) -> dict:
+    if args.servers is None:
+        args.servers = args.workers
+    specs = [s.strip() for s in args.modes.split(",") if s.strip()]
+    if len(set(specs)) != len(specs):
+        raise ValueError("duplicate mode specs")
+    hidden = hidden_for_params(args.model_params, args.layers) if args.model_params else args.hidden
+    if args.workload is None:
+        args.workload = "ctr" if any(s.partition(":")[0] == "hybrid" for s in specs) else "mlp"
+    base = {"workers": args.workers, "servers": args.servers, "steps": args.steps, "batch_size": args.batch_size,
+            "hidden": hidden, "layers": args.layers, "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
+            "timeout_s": args.timeout, "progress": False, "workload": args.workload,
+            "embedding_rows": args.embedding_rows, "embedding_dim": args.embedding_dim,
+            "embedding_fields": args.embedding_fields, "embedding_optimizer": args.embedding_optimizer,
+            "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
+            # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
+            "fallback_factor": 0.0}
+    for s in specs:   # fail fast on a bad spec, before any namespace exists
+        load_config(None, {**base, **parse_mode(s)})
+    report = {"workers": args.workers, "servers": args.servers, "bandwidth": args.bandwidth,
+              "latency": args.latency, "shaped": False, "steps": args.steps, "batch_size": args.batch_size,
+              "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "hidden": hidden, "layers": args.layers,
+              "model_params": mlp_params(hidden, args.layers), "host_cpus": os.cpu_count(),
+              "network": {"notes": []}, "modes": {}, "workload": args.workload}
+    if args.workload == "ctr":
+        dense = (args.embedding_fields * args.embedding_dim + 13) * hidden + hidden
+        dense += (args.layers - 1) * (hidden * hidden + hidden) + hidden + 1
+        report["model_params"] = args.embedding_rows * args.embedding_dim + dense
+        report["embedding"] = {"rows": args.embedding_rows, "dim": args.embedding_dim, "fields": args.embedding_fields,
+                               "optimizer": args.embedding_optimizer, "lr": args.embedding_lr, "zipf_a": args.zipf_a}
+    ok, why = netns.shaping_available()
+    topo = None
+    if args.no_shaping or not ok:
+        reason = "--no-shaping given" if args.no_shaping else why
+        report["network"]["description"] = f"plain loopback, NOT shaped ({reason}); --bandwidth ignored"
+        report["network"]["notes"].append(f"ran on loopback without bandwidth limit: {reason}")
+        if args.latency:
+            report["network"]["notes"].append("latency NOT applied (loopback run)")
+    else:
+        topo = netns.Topology(args.servers + args.workers, rate=args.bandwidth, latency=args.latency,
+                              prefix=args.netns_prefix)
+    old = netns.install_signal_handlers()
+    tmp = tempfile.mkdtemp(prefix="deltaps-compare-")
+    try:
+        if topo:
+            topo.up()
+            report["shaped"] = True
+            report["latency_applied"] = topo.latency_applied
+            report["network"]["description"] = topo.describe()
+            report["network"]["notes"] += topo.notes
+            try:
+                w0, w1 = args.servers, args.servers + 1 if args.workers > 1 else 0
+                if w0 != w1:
+                    bps = netns.measure_throughput(topo, w0, w1, int(min(64 << 20, max(4 << 20, topo.rate_bps / 8 / 4))))
+                    report["network"]["measured_link_gbit_s"] = bps / 1e9
+            except Exception as e:  # noqa: BLE001 - a failed probe is reported, not fatal
+                report["network"]["notes"].append(f"link throughput probe failed: {e}")
+        net = _Net(topo)
+        print(header(report), flush=True)
+        for spec in specs:
+            print(f"-- running {spec} ...", flush=True)
+            try:
+                report["modes"][spec] = run_mode(spec, base, args, net, tmp)
+                m = report["modes"][spec]
+                print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, acc {m['final_test_accuracy'] * 100:.2f} %",
+                      flush=True)
+            except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+                report["modes"][spec] = {"error": str(e)}
+                print(f"   FAILED: {e}", file=sys.stderr, flush=True)
+    finally:
+        if topo:
+            topo.down()
+            left = netns.list_leftovers(topo.prefix)
+            report["network"]["teardown_clean"] = not (left["netns"] or left["links"])
+        netns.restore_signal_handlers(old)
+    if args.keep_logs:
+        print(f"logs: {tmp}")
+    ar = report["modes"].get("allreduce")
+    if ar and "error" not in ar:
+        for spec, m in report["modes"].items():
+            if "error" in m:
+                continue
+            m["speedup_vs_allreduce"] = ar["median_step_s"] / m["median_step_s"] if m["median_step_s"] else math.nan
+            m["speedup_wall_vs_allreduce"] = ar["wall_s"] / m["wall_s"] if m["wall_s"] else math.nan
+            m["accuracy_delta_vs_allreduce"] = m["final_test_accuracy"] - ar["final_test_accuracy"]
+            if "losses_rank0" in m and "losses_rank0" in ar:   # same data, same seed: the curves should coincide
+                m["loss_curve_max_abs_diff_vs_allreduce"] = max(
+                    (abs(a - b) for a, b in zip(m["losses_rank0"], ar["losses_rank0"])), default=0.0)
+                m["auc_delta_vs_allreduce"] = m["final_test_auc"] - ar["final_test_auc"]
+    else:
+        report["network"]["notes"].append("no successful allreduce run in this invocation: no speed-ups computed")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = compare(args)
+    except netns.PrefixInUse as e:
+        print(f"deltaps bench compare: {e}", file=sys.stderr)
+        return 2
+    print()
+    print(header(report))
+    print(format_table(report))
+    print("speed-up = allreduce median step / mode median step (same invocation); "
+          "sent/step = bytes one worker sends per step (app level); veth tx/step = measured on the worker's link")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if any("error" in m for m in report["modes"].values()) else 0

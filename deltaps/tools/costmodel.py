@@ -1,0 +1,399 @@
+"""Alpha-beta cost model of one training step: ring allreduce vs the deltaps parameter server.
+
+Pure functions of a measured `Calibration` (ps/advise.py measures one: `deltaps advise --calibrate`)
+and a `Job` (model tensors, workers, shards, codecs). No constant here is tuned to a result; every
+speed comes from the calibration.
+
+Notation: G = gradient bytes per step (4 x parameters), W = workers, n = shards, B = achieved
+bandwidth of one link, one direction (bytes/s), alpha = per-message latency (s).
+
+Ring allreduce (DDP/gloo):
+    bytes each worker sends (and receives) = 2(W-1)/W x G
+    t_comm = 2(W-1)/W x G / B + 2(W-1) alpha + (W-1)/W x G / reduce_Bps          (reduce = the sums)
+    t_step = t_fwd_bwd + t_opt + max(0, t_comm - overlap)
+Parameter server (BSP, push chained to pull per key):
+    Pw = G / r_push, Pl = G / r_pull                       (wire bytes one worker pushes / pulls)
+    s_j = share of G on shard j (the real partition, ps/partition.py), k_j = its keys
+    shard link = max_j W s_j (Pw + Pl + Pl + Pw / W) / 2 / B   the mean of two bounds: the W pulls leave
+                 together (fan-in, then fan-out: in + out) or one after another (out + in / W)
+    link time = max(shard link, (Pw + Pl) / B) + 2 alpha     (the worker's own link)
+    R_j = PushPull RPCs a worker sends shard j per step (buckets x messages, fused_rpcs), R = sum R_j
+    shard j CPU = W R_j rpc_s + W s_j (Pw + Pl) / grpc_Bps + W s_j G / dec_push
+                  + s_j G / apply_Bps + s_j G / comp_pull + W s_j G path / 2
+    worker CPU  = R rpc_s + (Pw + Pl) / grpc_Bps + G / comp_push + G / dec_pull + G path / 2
+        (path = the codec's measured one-worker PushPull cycle beyond these terms, per raw byte)
+    S = max_j shard j CPU;  t_comm = worker CPU + max(link, S) + min(link, S) / W
+        (a shard's work on one worker's message hides behind the others' transfers, and vice versa)
+    t_step = t_fwd_bwd + max(0, t_comm - overlap)
+Overlap: gradients are handed to the network bucket by bucket as backward produces them (DDP buckets;
+deltaps' --bucket-bytes, both 25 MiB by default), so up to the backward time after the first bucket is
+ready can hide communication: overlap = t_bwd x (1 - g_last / G), g_last = the last bucket's bytes.
+
+CPU contention (only when the processes share one host, `Job.host_cores`, e.g. the 2-core box the
+validation runs on): a phase where m processes are busy on c cores runs max(1, m / c) times slower
+than measured alone (compute is instead measured directly with W concurrent processes), and the step
+can never be shorter than all processes' CPU work divided by the cores. Nor can communication be
+faster than the same path measured on this host with unshaped links, W processes at once: gloo's
+allreduce of the gradient (`allreduce_host_s`), or the PS step path of W workers against the job's
+shards with the model's tensors (`ps_host_s`, per codec): t_comm = max(model terms, that time).
+
+Costs: train time = steps x t_step; GPU-hours = gpus x train time / 3600; cost = GPU-hours x price
+(+ egress bytes x price per GB when given).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from deltaps.layout import build_layout, shard_loads
+
+
+# ---- calibration & job ----------------------------------------------------------------------------------
+@dataclass
+class CodecSpeed:
+    compress_Bps: float           # raw bytes / s
+    decompress_Bps: float
+    ratio: float                  # raw / wire bytes
+    path_s_per_byte: float = 0.0  # PS push+pull path cost beyond the kernels (measured cycle), s per raw byte
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CodecSpeed":
+        return cls(float(d["compress_Bps"]), float(d["decompress_Bps"]), float(d["ratio"]),
+                   float(d.get("path_s_per_byte", 0.0)))
+
+
+IDENTITY = CodecSpeed(math.inf, math.inf, 1.0)
+
+
+@dataclass
+class Calibration:
+    bandwidth_Bps: float                       # achieved per link, per direction
+    alpha_s: float = 0.0                       # per-message one-way latency
+    rpc_s: float = 0.0                         # fixed cost of one gRPC call (client + server)
+    grpc_Bps: float = math.inf                 # per-byte cost of the gRPC path (serialise, copy)
+    fwd_bwd_s: dict = field(default_factory=dict)    # {concurrent processes: s per step}
+    bwd_fraction: float = 0.6                  # measured share of backward in fwd_bwd
+    optimizer_s: dict = field(default_factory=dict)  # {concurrent processes: local optimizer step s}
+    apply_Bps: float = math.inf                # server optimizer throughput (parameter bytes / s)
+    reduce_Bps: float = math.inf               # elementwise sum (allreduce reduction)
+    codecs: dict = field(default_factory=dict)       # spec -> CodecSpeed
+    cores: int | None = None                   # cores of the calibrating host
+    bandwidth_by_streams: dict = field(default_factory=dict)  # {concurrent streams: achieved B}
+    host_network_Bps: dict = field(default_factory=dict)      # {streams: bytes/s all unshaped veths move}
+    # host floors, measured with a gradient of host_probe_bytes over unshaped links of this host:
+    allreduce_host_s: dict = field(default_factory=dict)      # {processes: s of one gloo allreduce}
+    ps_host_s: dict = field(default_factory=dict)             # {codec: {workers: s of the PS step path
+    ps_host_shards: int = 0                                   #  against this many shards}}
+    host_probe_bytes: float = 0.0
+
+    def compute(self, k: int, table: dict | None = None) -> float:
+        """Per-step time of a CPU phase with k processes doing it at once (measured; interpolated
+        linearly in k between measured points, extrapolated with max(1, k/cores) past them)."""
+        table = self.fwd_bwd_s if table is None else table
+        if not table:
+            return 0.0
+        pts = sorted((int(a), float(b)) for a, b in table.items())
+        if k <= pts[0][0]:
+            return pts[0][1]
+        for (k0, t0), (k1, t1) in zip(pts, pts[1:]):
+            if k0 <= k <= k1:
+                return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        kmax, tmax = pts[-1]
+        c = self.cores or kmax
+        return tmax * max(1.0, k / c) / max(1.0, kmax / c)
+
+    def stretch(self, m: int) -> float:
+        """Measured slowdown of a CPU phase with m processes busy at once vs one alone (the compute
+        probe's t(m) / t(1)); max(1, m / cores) when only one point was measured."""
+        if 1 in self.fwd_bwd_s and len(self.fwd_bwd_s) > 1 and self.fwd_bwd_s[1] > 0:
+            return max(1.0, self.compute(m) / self.fwd_bwd_s[1])
+        return max(1.0, m / self.cores) if self.cores else 1.0
+
+    def effective_cores(self) -> float:
+        """Cores this job's processes actually get (other load included): k / stretch(k), largest k probed."""
+        k = max(self.fwd_bwd_s) if self.fwd_bwd_s else (self.cores or 1)
+        return max(1e-3, min(float(self.cores or k), k / self.stretch(k)))
+
+    def host_network(self, streams: int) -> float:
+        """Bytes/s all links of one host move together with this many concurrent streams (veth copies
+        cost CPU), measured on unshaped links; inf when not measured."""
+        if not self.host_network_Bps:
+            return math.inf
+        pts = sorted(self.host_network_Bps.items())
+        return next((v for k, v in reversed(pts) if k <= streams), pts[0][1])
+
+    def bandwidth(self, streams: int = 1) -> float:
+        """Achieved per-link bandwidth with this many concurrent streams (measured where available)."""
+        if not self.bandwidth_by_streams:
+            return self.bandwidth_Bps
+        pts = sorted((int(a), float(b)) for a, b in self.bandwidth_by_streams.items())
+        best = pts[0][1]
+        for k, b in pts:
+            if k <= streams:
+                best = b
+        return best
+
+    def codec(self, spec: str) -> CodecSpeed:
+        spec = canonical(spec)
+        if spec == "none":        # raw tensors: no codec kernels (their copies are in the gRPC per-byte cost)
+            return IDENTITY
+        if spec not in self.codecs:
+            raise KeyError(f"codec {spec!r} was not calibrated (have: {', '.join(sorted(self.codecs))})")
+        c = self.codecs[spec]
+        return c if isinstance(c, CodecSpeed) else CodecSpeed.from_dict(c)
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_Bps": self.bandwidth_Bps, "alpha_s": self.alpha_s, "rpc_s": self.rpc_s,
+                "grpc_Bps": self.grpc_Bps, "fwd_bwd_s": {str(k): v for k, v in self.fwd_bwd_s.items()},
+                "bwd_fraction": self.bwd_fraction,
+                "optimizer_s": {str(k): v for k, v in self.optimizer_s.items()}, "apply_Bps": self.apply_Bps,
+                "reduce_Bps": self.reduce_Bps, "cores": self.cores,
+                "bandwidth_by_streams": {str(k): v for k, v in self.bandwidth_by_streams.items()},
+                "host_network_Bps": {str(k): v for k, v in self.host_network_Bps.items()},
+                "allreduce_host_s": {str(k): v for k, v in self.allreduce_host_s.items()},
+                "ps_host_s": {c: {str(k): v for k, v in t.items()} for c, t in self.ps_host_s.items()},
+                "ps_host_shards": self.ps_host_shards, "host_probe_bytes": self.host_probe_bytes,
+                "codecs": {k: (vars(v) if isinstance(v, CodecSpeed) else v) for k, v in self.codecs.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        return cls(bandwidth_Bps=float(d["bandwidth_Bps"]), alpha_s=float(d.get("alpha_s", 0.0)),
+                   rpc_s=float(d.get("rpc_s", 0.0)), grpc_Bps=float(d.get("grpc_Bps", math.inf)),
+                   fwd_bwd_s={int(k): float(v) for k, v in d.get("fwd_bwd_s", {}).items()},
+                   bwd_fraction=float(d.get("bwd_fraction", 0.6)),
+                   optimizer_s={int(k): float(v) for k, v in d.get("optimizer_s", {}).items()},
+                   apply_Bps=float(d.get("apply_Bps", math.inf)), reduce_Bps=float(d.get("reduce_Bps", math.inf)),
+                   cores=d.get("cores"),
+                   bandwidth_by_streams={int(k): float(v) for k, v in d.get("bandwidth_by_streams", {}).items()},
+                   host_network_Bps={int(k): float(v) for k, v in d.get("host_network_Bps", {}).items()},
+                   allreduce_host_s={int(k): float(v) for k, v in d.get("allreduce_host_s", {}).items()},
+                   ps_host_s={c: {int(k): float(v) for k, v in t.items()} for c, t in d.get("ps_host_s", {}).items()},
+                   ps_host_shards=int(d.get("ps_host_shards", 0)),
+                   host_probe_bytes=float(d.get("host_probe_bytes", 0.0)),
+                   codecs={k: CodecSpeed.from_dict(v) for k, v in d.get("codecs", {}).items()})
+
+
+@dataclass
+class Job:
+    tensors: list                 # [(name, numel)] in model order (backward produces them in reverse)
+    workers: int
+    shards: int = 2
+    chunk_bytes: int = 4 << 20
+    bucket_cap_bytes: int = 25 << 20     # DDP buckets (allreduce) and deltaps' --bucket-bytes (PS)
+    max_message_bytes: int = 64 << 20
+    host_cores: int | None = None     # all processes share this many cores (None: one device each)
+
+    @property
+    def fused_bytes(self) -> int:
+        """Raw bytes per PushPull message (worker.client.PSClient.fused_bytes)."""
+        return max(self.chunk_bytes, min(2 * self.chunk_bytes, self.max_message_bytes - (1 << 20)))
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 * sum(n for _, n in self.tensors)
+
+
+def canonical(spec: str) -> str:
+    return (spec or "none").strip()
+
+
+def pull_codec_for(push: str) -> str:
+    """`--pull-codec auto` (ps/pull_codec.py): exact for none, casts stay casts, else int8."""
+    name = canonical(push).split(":")[0]
+    return {"none": "none", "fp16": "fp16", "bf16": "bf16"}.get(name, "int8")
+
+
+def buckets(tensors: list, bucket_bytes: int) -> list[list[str]]:
+    """worker.optimizer.make_buckets on (name, numel) pairs: backward order, ~bucket_bytes each."""
+    out, size = [[]], 0
+    for name, numel in reversed(tensors):
+        if out[-1] and (bucket_bytes <= 0 or size + 4 * numel > bucket_bytes):
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += 4 * numel
+    return [b for b in out if b]
+
+
+def last_bucket_bytes(tensors: list, bucket_bytes: int) -> int:
+    """Gradient bytes of the bucket backward completes last (sent after backward: nothing hides it)."""
+    sizes = dict(tensors)
+    bs = buckets(tensors, bucket_bytes)
+    return 4 * sum(sizes[n] for n in bs[-1]) if bs else 0
+
+
+def fused_rpcs(tensors: list, layout: list, shards: int, bucket_bytes: int, fused_bytes: int) -> list[int]:
+    """PushPull RPCs one worker sends each shard per step: per bucket, the bucket's keys on that shard
+    in messages of at most fused_bytes raw (a larger key alone), as worker/client.py batches them."""
+    by_param: dict = {}
+    for k in layout:
+        by_param.setdefault(k.param, []).append(k)
+    out = [0] * shards
+    for b in buckets(tensors, bucket_bytes):
+        per_shard: dict = {}
+        for name in b:
+            for k in by_param.get(name, []):
+                per_shard.setdefault(k.shard, []).append(k)
+        for j, keys in per_shard.items():
+            size, msgs = 0, 0
+            for k in keys:
+                if msgs and size + 4 * k.numel <= fused_bytes:
+                    size += 4 * k.numel
+                else:
+                    msgs, size = msgs + 1, 4 * k.numel
+            out[j] += msgs
+    return out
+
+
+def _stretch(busy: int, cores: int | None) -> float:
+    return 1.0 if not cores else max(1.0, busy / cores)
+
+
+# ---- the two formulas every test checks by hand -----------------------------------------------------------
+def ring_allreduce_bytes(grad_bytes: float, workers: int) -> float:
+    """Bytes each worker sends (and receives) in a ring allreduce: 2(p-1)/p x bytes."""
+    return 0.0 if workers <= 1 else 2.0 * (workers - 1) / workers * grad_bytes
+
+
+def ring_allreduce_time(grad_bytes: float, workers: int, bandwidth_Bps: float, alpha_s: float) -> float:
+    """2(p-1)/p x bytes / B + 2(p-1) alpha."""
+    if workers <= 1:
+        return 0.0
+    return ring_allreduce_bytes(grad_bytes, workers) / bandwidth_Bps + 2 * (workers - 1) * alpha_s
+
+
+def ps_link_bytes(grad_bytes: float, workers: int, shard_share: float, push_ratio: float = 1.0,
+                  pull_ratio: float = 1.0) -> dict:
+    """Bytes per step on a shard's link (fan-in of W pushes, fan-out of W pulls) and a worker's link."""
+    pw, pl = grad_bytes / push_ratio, grad_bytes / pull_ratio
+    return {"shard_in": workers * shard_share * pw, "shard_out": workers * shard_share * pl,
+            "worker_out": pw, "worker_in": pl}
+
+
+def training_cost(step_s: float, steps: int, gpus: int, gpu_hour_usd: float, egress_bytes: float = 0.0,
+                  egress_usd_per_gb: float = 0.0) -> dict:
+    hours = step_s * steps / 3600.0
+    gpu_hours = hours * gpus
+    egress = egress_bytes / 1e9 * egress_usd_per_gb
+    return {"train_hours": hours, "train_days": hours / 24, "gpu_hours": gpu_hours,
+            "compute_usd": gpu_hours * gpu_hour_usd, "egress_usd": egress, "cost_usd": gpu_hours * gpu_hour_usd + egress}
+
+
+# ---- predictions ------------------------------------------------------------------------------------------
+def _network(cal: Calibration, job: Job, hot_link_bytes: float, total_link_bytes: float, flows: int) -> float:
+    """Transfer time of one step: the busiest link at the achieved single-link rate; on a shared host
+    also every link's bytes through the host's measured aggregate veth throughput."""
+    t = hot_link_bytes / cal.bandwidth(1)
+    if job.host_cores:
+        t = max(t, total_link_bytes / cal.host_network(flows))
+    return t
+
+
+def predict_allreduce(cal: Calibration, job: Job) -> dict:
+    W, G = job.workers, job.grad_bytes
+    k = W if job.host_cores else 1
+    fb = cal.compute(k)
+    opt = cal.compute(k, cal.optimizer_s) if cal.optimizer_s else 0.0
+    ring = ring_allreduce_bytes(G, W)
+    net = _network(cal, job, ring, W * ring, W) + (2 * (W - 1) * cal.alpha_s if W > 1 else 0.0)
+    if job.host_cores and cal.allreduce_host_s and W > 1:   # gloo's own CPU floor on this host, measured
+        net = max(net, cal.compute(W, cal.allreduce_host_s) * G / (cal.host_probe_bytes or G))
+    reduce = (W - 1) / W * G / cal.reduce_Bps * (cal.stretch(W) if job.host_cores else 1.0) if W > 1 else 0.0
+    comm = net + reduce
+    last_bucket = min(G, job.bucket_cap_bytes) if G else 0
+    overlap = fb * cal.bwd_fraction * (1 - last_bucket / G) if G else 0.0
+    exposed = max(0.0, comm - overlap)
+    step = fb + opt + exposed
+    return {"strategy": "allreduce", "step_s": step, "compute_s": fb + opt, "comm_s": step - fb - opt,
+            "network_s": net, "cpu_comm_s": reduce, "overlap_s": min(overlap, comm),
+            "bytes_sent_per_worker": ring, "bytes_hot_link": ring}
+
+
+def predict_ps(cal: Calibration, job: Job, codec: str, pull_codec: str | None = None) -> dict:
+    W, n, G = job.workers, job.shards, job.grad_bytes
+    push = cal.codec(codec)
+    pull = cal.codec(pull_codec or pull_codec_for(codec))
+    layout = build_layout([(name, numel, "float32") for name, numel in job.tensors], n, job.chunk_bytes)
+    loads = shard_loads(layout, n)
+    K = len(layout)
+    share = [ld / G for ld in loads]
+    pw, pl = G / push.ratio, G / pull.ratio
+    hot = max(max(W * s * pw, W * s * pl) for s in share)
+    # per key, the pull follows the push (BSP): a shard's fan-in, then its fan-out. If the W pulls leave
+    # together (fair sharing), nothing overlaps: in + out. If they leave one after another, the first
+    # workers' next pushes overlap the rest: out + in / W. The model takes the mean of the two bounds.
+    shard_link = max(W * s * (pw + pl + (pl + pw / W)) / 2 for s in share)
+    link = _network(cal, job, max(shard_link, pw + pl), W * (pw + pl), W) + 2 * cal.alpha_s
+    rpcs, worker_cpu, shard_cpu = _ps_cpu(cal, job, push, pull, layout, share)
+    ws = cal.stretch(W) if job.host_cores else 1.0
+    ss = cal.stretch(n) if job.host_cores else 1.0
+    scpu = max(shard_cpu) * ss
+    # a shard handles W messages: all but one worker's share of its CPU hides behind the others'
+    # transfers when the link is the bottleneck (and vice versa)
+    shard_phase = max(link, scpu) + min(link, scpu) / W
+    comm = worker_cpu * ws + shard_phase
+    spec = canonical(codec)
+    if job.host_cores and W > 1 and spec in cal.ps_host_s and n == cal.ps_host_shards:   # measured host floor
+        # measured on unshaped links; a shaped link adds the pull's transfer, which under BSP starts only
+        # once the step's last push is applied and so overlaps none of that CPU path
+        pull_link = _network(cal, job, max(max(W * s * pl for s in share), pl), W * pl, W)
+        comm = max(comm, cal.compute(W, cal.ps_host_s[spec]) * G / (cal.host_probe_bytes or G) + pull_link)
+    k = W if job.host_cores else 1
+    fb = cal.compute(k)
+    g_last = last_bucket_bytes(job.tensors, job.bucket_cap_bytes)
+    overlap = fb * cal.bwd_fraction * (1 - g_last / G) if G else 0.0
+    exposed = max(0.0, comm - overlap)
+    step = fb + exposed
+    if job.host_cores:   # all processes' CPU work through the cores they actually get
+        cpu = W * (cal.compute(1) + worker_cpu) + sum(shard_cpu)
+        step = max(step, cpu / cal.effective_cores())
+    return {"strategy": f"ps:{canonical(codec)}", "codec": canonical(codec),
+            "pull_codec": pull_codec or pull_codec_for(codec), "step_s": step, "compute_s": fb,
+            "comm_s": step - fb, "network_s": link, "cpu_comm_s": worker_cpu * ws + scpu,
+            "overlap_s": min(overlap, comm), "bytes_sent_per_worker": pw, "bytes_pulled_per_worker": pl,
+            "bytes_hot_link": hot, "shard_shares": share, "keys": K, "rpcs_per_worker": sum(rpcs),
+            "push_ratio": push.ratio, "pull_ratio": pull.ratio}
+
+
+def _ps_cpu(cal: Calibration, job: Job, push: CodecSpeed, pull: CodecSpeed, layout: list, share: list):
+    """(PushPull RPCs per shard, one worker's CPU per step, each shard's CPU per step), uncontended.
+    gRPC costs are measured client + server together: half on each side. One PushPull RPC per bucket,
+    shard and message (fused_rpcs), as worker/optimizer.py sends them."""
+    W, n, G = job.workers, job.shards, job.grad_bytes
+    pw, pl = G / push.ratio, G / pull.ratio
+    rpcs = fused_rpcs(job.tensors, layout, n, job.bucket_cap_bytes, job.fused_bytes)
+    rpc, per_byte = cal.rpc_s / 2, 0.5 / cal.grpc_Bps
+    shard_cpu = [W * rj * rpc + W * s * (pw + pl) * per_byte + W * s * G / push.decompress_Bps
+                 + s * G / cal.apply_Bps + s * G / pull.compress_Bps + W * s * G * push.path_s_per_byte / 2
+                 for s, rj in zip(share, rpcs)]
+    worker_cpu = (sum(rpcs) * rpc + (pw + pl) * per_byte + G / push.compress_Bps + G / pull.decompress_Bps
+                  + G * push.path_s_per_byte / 2)
+    return rpcs, worker_cpu, shard_cpu
+
+
+def predict(cal: Calibration, job: Job, strategy: str) -> dict:
+    """strategy: 'allreduce' or 'ps:<codec spec>' (ps:none, ps:int8, ps:topk:ratio=0.01, ...)."""
+    head, _, codec = strategy.partition(":")
+    if head == "allreduce":
+        return predict_allreduce(cal, job)
+    if head == "ps":
+        return predict_ps(cal, job, codec or "none")
+    raise ValueError(f"unknown strategy {strategy!r}; use allreduce or ps:<codec>")
+
+
+def mlp_tensors(hidden: int, layers: int, in_features: int = 64, classes: int = 10) -> list:
+    """(name, numel) of worker.workloads.mlp.make_mlp's parameters, in model order (as named by nn.Sequential)."""
+    out, width, idx = [], in_features, 0
+    for _ in range(layers):
+        out += [(f"{idx}.weight", width * hidden), (f"{idx}.bias", hidden)]
+        width, idx = hidden, idx + 2
+    out += [(f"{idx}.weight", width * classes), (f"{idx}.bias", classes)]
+    return out
+
+
+def layout_keys(tensors: list, shards: int, chunk_bytes: int = 4 << 20) -> int:
+    return len(build_layout([(n, k, "float32") for n, k in tensors], shards, chunk_bytes))
+
+
+__all__ = ["Calibration", "CodecSpeed", "Job", "predict", "predict_allreduce", "predict_ps", "ring_allreduce_bytes",
+           "ring_allreduce_time", "ps_link_bytes", "training_cost", "mlp_tensors", "pull_codec_for"]

@@ -1,0 +1,183 @@
+"""`deltaps launch`: a local cluster of real processes on loopback — shards, then workers — and a summary."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+from deltaps.config import TrainConfig
+
+
+def _wait_port(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if os.path.exists(path):
+            return int(open(path).read())
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before listening")
+        time.sleep(0.05)
+    raise TimeoutError("server did not start listening in time")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        return "".join(open(path).readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _metrics_args(on: bool, host: str, port_file: str) -> list[str]:
+    """Exporter flags for a server/worker process: a free port, written next to the gRPC port file."""
+    return ["--metrics-port", "0", "--metrics-addr", host, "--metrics-port-file", port_file] if on else []
+
+
+def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.1", quiet: bool = False,
+           metrics: bool = False, security=None, server_args: list[str] | None = None) -> dict:
+    """metrics: start a Prometheus exporter in every server and (ps-mode) worker; the summary's
+    metrics_urls lists them (they live as long as the cluster does).
+    security: a deltaps.security.LaunchSecurity; its token reaches the children as $DELTAPS_TOKEN (never argv),
+    its TLS files as --tls-* flags."""
+    from deltaps.security import LaunchSecurity
+    security = security or LaunchSecurity()
+    child_env = security.child_env()
+    t_launch = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix="deltaps-launch-")
+    cfg_path = os.path.join(tmp, "config.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
+    py = [sys.executable, "-m", "deltaps"]
+    servers, workers = [], []
+    metrics_urls: list[str] = []
+    try:
+        for i in range(cfg.servers if cfg.mode in ("ps", "hybrid", "pipeline") else 0):   # allreduce: no servers
+            log = open(os.path.join(tmp, f"server{i}.log"), "w")
+            servers.append(subprocess.Popen(py + ["server", "--host", host, "--port", "0", "--shard-id", str(i),
+                                                  "--num-shards", str(cfg.servers), "--port-file",
+                                                  os.path.join(tmp, f"server{i}.port"),
+                                                  *_metrics_args(metrics, host,
+                                                                 os.path.join(tmp, f"server{i}.metrics.port")),
+                                                  *security.server.argv("server"), *(server_args or [])],
+                                            stdout=log, stderr=subprocess.STDOUT, env=child_env))
+        addrs = [f"{host}:{_wait_port(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
+        target = (["--servers", ",".join(addrs)] if cfg.mode == "ps"
+                  else ["--master-addr", host, "--master-port", str(free_port(host))])
+        if cfg.mode in ("hybrid", "pipeline"):   # shards + a gloo rendezvous (dense allreduce / stage p2p)
+            target = ["--servers", ",".join(addrs), "--master-addr", host, "--master-port", str(free_port(host))]
+        if not quiet and cfg.mode == "allreduce":
+            print(f"deltaps launch: allreduce (DDP) rendezvous at {host}:{target[-1]}; {cfg.workers} workers", flush=True)
+        elif not quiet:
+            print(f"deltaps launch: {cfg.servers} shards at {','.join(addrs)}; {cfg.workers} workers, "
+                  f"sync={cfg.sync} codec={cfg.codec}", flush=True)
+        for r in range(cfg.workers):
+            show = r == 0 and cfg.progress and not quiet
+            out = None if show else open(os.path.join(tmp, f"worker{r}.log"), "w")
+            workers.append(subprocess.Popen(
+                py + ["worker", *target, "--rank", str(r), "--world-size", str(cfg.workers),
+                      "--config", cfg_path, "--result-json", os.path.join(tmp, f"worker{r}.json"),
+                      "--progress" if show else "--no-progress",
+                      *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port")),
+                      *(security.client.argv("client") if cfg.mode in ("ps", "hybrid", "pipeline") else [])],
+                stdout=out, stderr=None if show else subprocess.STDOUT, env=child_env))
+        if metrics:
+            metrics_urls = [f"http://{host}:{_wait_port(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
+                            for i, p in enumerate(servers)]
+            if cfg.mode == "ps":
+                metrics_urls += [f"http://{host}:{_wait_port(os.path.join(tmp, f'worker{r}.metrics.port'), p)}/metrics"
+                                 for r, p in enumerate(workers)]
+            if not quiet:
+                print("deltaps launch: metrics at " + " ".join(metrics_urls), flush=True)
+        failed = _wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 2.0)
+        if failed:
+            logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{_tail(os.path.join(tmp, f'worker{r}.log'))}"
+                             for r, c in failed)
+            raise RuntimeError(f"{len(failed)} worker(s) failed:\n{logs}")
+    finally:
+        _stop(workers)
+        _stop(servers)
+    results = [json.load(open(os.path.join(tmp, f"worker{r}.json"))) for r in range(cfg.workers)]
+    summary = summarize(cfg, results, time.perf_counter() - t_launch)
+    summary["metrics_urls"] = metrics_urls
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def _wait_workers(workers, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in workers]
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return bad
+        if all(c == 0 for c in codes):
+            return []
+        time.sleep(0.1)
+    return [(r, "timeout") for r, p in enumerate(workers) if p.poll() is None]
+
+
+def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> dict:
+    mean = lambda k: sum(r[k] for r in results) / len(results)  # noqa: E731
+    total = lambda k: sum(r[k] for r in results)  # noqa: E731
+    raw, wire = total("bytes_pushed_raw"), total("bytes_pushed_wire")
+    r0 = results[0]
+    return {
+        "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "workers": cfg.workers, "servers": cfg.servers,
+        "steps": cfg.steps, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer, "lr": cfg.lr,
+        "model_params": r0["model_params"],
+        "final_test_accuracy": r0["final_test_accuracy"],
+        "final_train_loss": mean("final_train_loss"),
+        "wall_s": max(r["wall_s"] for r in results), "launch_wall_s": launch_wall_s,
+        "mean_step_s": mean("mean_step_s"), "median_step_s": mean("median_step_s"),
+        "compute_s": mean("compute_s"), "comm_s": mean("comm_s"), "wait_s": mean("wait_s"),
+        "samples_per_s": total("samples_per_s"),
+        "bytes_pushed_wire": wire, "bytes_pushed_raw": raw, "bytes_pulled_wire": total("bytes_pulled_wire"),
+        "compression_ratio": raw / wire if wire else 1.0,
+        "bytes_pushed_wire_per_step": wire / max(1, cfg.steps),
+        "final_codec": r0["final_codec"], "codec_switches": r0["codec_switches"],
+        "codec_fallbacks": sum(len(r["codec_fallbacks"]) for r in results),
+        "server_stats": r0.get("server_stats", []),
+        "per_worker": [{k: v for k, v in r.items() if k not in ("losses", "server_stats", "bytes_pushed_wire_steps")}
+                       for r in results],
+        "bytes_pushed_wire_steps_rank0": r0["bytes_pushed_wire_steps"],
+        "loss_curve_rank0": r0["losses"][:: max(1, len(r0["losses"]) // 100)],
+    }
+
+
+def print_summary(s: dict) -> None:
+    mb = 1 << 20
+    print(f"\n== deltaps summary: mode={s['mode']} sync={s['sync']} codec={s['codec']} "
+          f"workers={s['workers']} servers={s['servers']} steps={s['steps']}")
+    print(f"   final test accuracy : {s['final_test_accuracy'] * 100:.2f} %   (model params {s['model_params']:,})")
+    print(f"   wall / step         : {s['wall_s']:.2f} s total, {s['mean_step_s'] * 1e3:.2f} ms mean step")
+    tot = max(1e-12, s["compute_s"] + s["comm_s"] + s["wait_s"])
+    print(f"   step split          : compute {s['compute_s'] / tot:.0%}, comm {s['comm_s'] / tot:.0%}, "
+          f"wait {s['wait_s'] / tot:.0%}")
+    print(f"   bytes pushed        : {s['bytes_pushed_wire'] / mb:.2f} MiB wire / {s['bytes_pushed_raw'] / mb:.2f} MiB raw "
+          f"(x{s['compression_ratio']:.1f}); pulled {s['bytes_pulled_wire'] / mb:.2f} MiB")

@@ -1,0 +1,93 @@
+"""Namespace/tbf network builder and `deltaps bench compare`."""
+import json
+import subprocess
+
+import pytest
+
+from deltaps.tools import bench_compare as bc
+from deltaps.tools import netns
+
+OK, WHY = netns.shaping_available()
+needs_root = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+TEST_PREFIX = "dpst"        # not the bench's prefix, so a running bench is never touched
+
+
+def test_parse_rate_and_modes():
+    assert netns.parse_rate("1gbit") == 1e9
+    assert netns.parse_rate("50mbit") == 50e6
+    assert netns.parse_rate("10mbps") == 80e6
+    with pytest.raises(ValueError):
+        netns.parse_rate("fast")
+    assert bc.parse_mode("allreduce") == {"mode": "allreduce"}
+    assert bc.parse_mode("ps") == {"mode": "ps", "sync": "bsp", "codec": "none"}
+    assert bc.parse_mode("ps:topk:ratio=0.01")["codec"] == "topk:ratio=0.01"     # first colon only
+    assert bc.parse_mode("ps-asp:int8") == {"mode": "ps", "sync": "asp", "codec": "int8"}
+    with pytest.raises(ValueError):
+        bc.parse_mode("horovod")
+
+
+def test_model_sizing():
+    assert bc.mlp_params(256, 2) == 85002          # what worker.workloads.mlp.make_mlp builds
+    h = bc.hidden_for_params(4_000_000, 2)
+    assert bc.mlp_params(h, 2) >= 4_000_000 > bc.mlp_params(h - 1, 2)
+
+
+@needs_root
+def test_namespace_link_is_shaped_and_torn_down():
+    netns.cleanup(TEST_PREFIX)
+    subprocess.run(["ip", "netns", "add", f"{TEST_PREFIX}-7"], check=True)      # a "crashed run" leftover
+    topo = netns.Topology(2, rate="50mbit", prefix=TEST_PREFIX)
+    try:
+        topo.up()
+        assert f"{TEST_PREFIX}-7" not in netns.list_leftovers(TEST_PREFIX)["netns"]   # stale one removed
+        assert any("leftovers" in n for n in topo.notes)
+        bps = netns.measure_throughput(topo, 0, 1, nbytes=3 << 20, port=5301)
+        assert 0.5 * 50e6 <= bps <= 1.2 * 50e6, f"{bps / 1e6:.1f} Mbit/s through a 50mbit link"
+        back = netns.measure_throughput(topo, 1, 0, nbytes=3 << 20, port=5302)       # other direction too
+        assert 0.5 * 50e6 <= back <= 1.2 * 50e6, f"{back / 1e6:.1f} Mbit/s"
+        tx, rx = topo.link_bytes(0)
+        assert tx > 3 << 20 and rx > 3 << 20
+        with pytest.raises(netns.PrefixInUse):        # a live run's namespaces are never "stale"
+            netns.Topology(2, rate="50mbit", prefix=TEST_PREFIX).up()
+        assert len(netns.list_leftovers(TEST_PREFIX)["netns"]) == 3
+    finally:
+        topo.down()
+    assert netns.list_leftovers(TEST_PREFIX) == {"netns": [], "links": []}
+
+
+@needs_root
+def test_topology_cleans_up_when_setup_fails():
+    netns.cleanup(TEST_PREFIX)
+    with pytest.raises(RuntimeError):
+        with _BrokenTopology(2, rate="50mbit", prefix=TEST_PREFIX):
+            pass
+    assert netns.list_leftovers(TEST_PREFIX) == {"netns": [], "links": []}
+
+
+class _BrokenTopology(netns.Topology):
+    def _shape(self, ns, dev, netem):
+        raise RuntimeError("tc exploded")
+
+
+@pytest.mark.slow
+def test_bench_compare_small(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = bc.main(["--workers", "2", "--servers", "1", "--steps", "15", "--hidden", "64",
+                  "--modes", "allreduce,ps:int8", "--bandwidth", "200mbit", "--json", str(out), "--plot", str(png),
+                  "--netns-prefix", "dpsu"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["workers"] == 2 and r["bandwidth"] == "200mbit" and r["shaped"] is OK
+    assert r["model_params"] == bc.mlp_params(64, 2)
+    assert list(r["modes"]) == ["allreduce", "ps:int8"]
+    for m in r["modes"].values():
+        for k in ("median_step_s", "final_test_accuracy", "bytes_per_step", "compute_share", "comm_share",
+                  "wait_share", "speedup_vs_allreduce", "accuracy_delta_vs_allreduce"):
+            assert k in m, k
+        assert m["compute_share"] + m["comm_share"] + m["wait_share"] == pytest.approx(1.0)
+    assert r["modes"]["allreduce"]["speedup_vs_allreduce"] == pytest.approx(1.0)
+    assert r["modes"]["ps:int8"]["bytes_per_step"] < r["modes"]["allreduce"]["bytes_per_step"]
+    if OK:
+        assert r["network"]["teardown_clean"] is True
+        assert netns.list_leftovers("dpsu") == {"netns": [], "links": []}
+    assert png.stat().st_size > 1000

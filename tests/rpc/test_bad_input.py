@@ -1,0 +1,155 @@
+"""Bad requests get the right gRPC status and a message naming the problem; shard state is unchanged."""
+import grpc
+import msgpack
+import numpy as np
+import pytest
+import torch
+from helpers import client
+
+from deltaps.transport import grpc_options
+from protos import PROTOCOL_VERSION, pb, rpc
+
+
+@pytest.fixture
+def setup(cluster_factory):
+    c = cluster_factory(1)
+    cl = client(c.addrs, 0, 2, chunk_bytes=1 << 20, timeout_s=5)
+    cl.setup([("w", torch.arange(100, dtype=torch.float32))])
+    stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0], options=grpc_options(8 << 20)))
+    yield c, cl, stub
+    cl.close()
+
+
+def _chunk(key="w#0", n=100, data=None, codec="none", header=b"", dtype="float32"):
+    data = np.ones(n, np.float32).tobytes() if data is None else data
+    return pb.TensorChunk(key=key, dtype=dtype, shape=[n], codec=codec, header=header, data=data)
+
+
+def _push(stub, chunk, step=0, worker=0):
+    return stub.Push(pb.PushRequest(worker_id=worker, step=step, seq=1, grads=[chunk]), timeout=5)
+
+
+def _expect(code, fn, *words):
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    assert e.value.code() == code, e.value.details()
+    for w in words:
+        assert w in e.value.details(), e.value.details()
+
+
+def _unchanged(c):
+    ks = c.shards[0].keys["w#0"]
+    assert torch.equal(ks.value, torch.arange(100, dtype=torch.float32)) and ks.version == 0
+    assert not ks.agg_from
+
+
+@pytest.mark.parametrize("chunk,code,words", [
+    (_chunk(key="nope#0"), grpc.StatusCode.INVALID_ARGUMENT, ["unknown key", "nope#0"]),
+    (_chunk(n=99), grpc.StatusCode.INVALID_ARGUMENT, ["99", "100"]),
+    (_chunk(data=np.full(100, np.nan, np.float32).tobytes()), grpc.StatusCode.INVALID_ARGUMENT, ["NaN"]),
+    (_chunk(data=np.r_[np.ones(99), np.inf].astype(np.float32).tobytes()), grpc.StatusCode.INVALID_ARGUMENT, ["Inf"]),
+    (_chunk(data=np.r_[-np.inf, np.ones(99)].astype(np.float32).tobytes()), grpc.StatusCode.INVALID_ARGUMENT, ["Inf"]),
+    (_chunk(data=b"\0" * 17), grpc.StatusCode.INVALID_ARGUMENT, ["w#0"]),
+    (_chunk(codec="zstd9"), grpc.StatusCode.INVALID_ARGUMENT, ["unknown codec", "zstd9"]),
+    (_chunk(codec="topk", header=b"\xc1garbage", data=b"\0" * 8), grpc.StatusCode.INVALID_ARGUMENT, ["header"]),
+    (_chunk(codec="topk", header=msgpack.packb({"k": 1, "n": 100}),
+            data=np.array([500], np.int32).tobytes() + np.ones(1, np.float32).tobytes()),
+     grpc.StatusCode.INVALID_ARGUMENT, ["w#0"]),
+    (_chunk(dtype="complex64"), grpc.StatusCode.INVALID_ARGUMENT, ["complex64"]),
+])
+def test_bad_push_is_rejected_and_state_unchanged(setup, chunk, code, words):
+    c, _, stub = setup
+    _expect(code, lambda: _push(stub, chunk), *words)
+    _unchanged(c)
+
+
+def test_push_from_the_future_and_unknown_worker(setup):
+    c, _, stub = setup
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, lambda: _push(stub, _chunk(), step=5), "step 5")
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, lambda: _push(stub, _chunk(), worker=7), "worker 7")
+    _unchanged(c)
+
+
+def test_retried_push_is_acknowledged_but_applied_once(setup):
+    c, cl, stub = setup
+    first = _push(stub, _chunk(), step=0)
+    again = _push(stub, _chunk(), step=0)
+    assert list(first.duplicate) == [False] and list(again.duplicate) == [True]
+    _push(stub, _chunk(), step=0, worker=1)       # the second worker completes the BSP step
+    got = cl.pull(min_version=1)["w"]
+    assert torch.allclose(got, torch.arange(100, dtype=torch.float32) - 0.1)   # mean of two ones, once
+    assert c.shards[0].stats()["duplicates"] == 1
+
+
+def test_register_mismatches(setup):
+    _, cl, stub = setup
+    opt = pb.OptimizerConfig()
+    cl.optimizer.to_proto(opt)
+    base = dict(protocol_version=PROTOCOL_VERSION, worker_id=1, world_size=2, num_shards=1, sync="bsp",
+                layout_digest="x", optimizer=opt)
+    _expect(grpc.StatusCode.FAILED_PRECONDITION,
+            lambda: stub.Register(pb.RegisterRequest(**{**base, "protocol_version": 99}), timeout=5), "protocol version")
+    _expect(grpc.StatusCode.FAILED_PRECONDITION,
+            lambda: stub.Register(pb.RegisterRequest(**{**base, "world_size": 3}), timeout=5), "world size")
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, lambda: stub.Register(pb.RegisterRequest(**base), timeout=5),
+            "layout digest")
+    _expect(grpc.StatusCode.FAILED_PRECONDITION,
+            lambda: stub.Register(pb.RegisterRequest(**{**base, "num_shards": 2}), timeout=5), "shards")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT,
+            lambda: stub.Register(pb.RegisterRequest(**{**base, "sync": "eventually"}), timeout=5), "sync mode")
+
+
+def test_pull_timeout_unknown_key_bad_codec_and_oversize(setup):
+    _, _, stub = setup
+    _expect(grpc.StatusCode.DEADLINE_EXCEEDED,
+            lambda: stub.Pull(pb.PullRequest(keys=["w#0"], min_version=3, timeout_s=0.3), timeout=5), "w#0")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.Pull(pb.PullRequest(keys=["zz"]), timeout=5), "zz")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.SetCodec(pb.SetCodecRequest(codec="lz4"), timeout=5),
+            "lz4")
+    huge = _chunk(data=b"\0" * (70 << 20))     # over the server's 64 MiB limit
+    big_stub = rpc.ParameterServerStub(grpc.insecure_channel(_addr(setup),
+                                                             options=grpc_options(128 << 20)))
+    _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: _push(big_stub, huge))
+
+
+def _addr(setup):
+    c, _, _ = setup
+    return c.addrs[0]
+
+
+def test_push_before_register(cluster_factory):
+    c = cluster_factory(1)
+    stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0]))
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, lambda: _push(stub, _chunk()), "Register")
+
+
+def _push_pull(stub, push=None, pull=None):
+    return stub.PushPull(pb.PushPullRequest(push=push, pull=pull), timeout=5)
+
+
+def test_push_pull_needs_both_halves_from_the_same_worker(setup):
+    c, _, stub = setup
+    push = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk()])
+    pull = pb.PullRequest(worker_id=0, keys=["w#0"], min_version=0, have_versions=[0])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, push=push), "both")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, pull=pull), "both")
+    other = pb.PullRequest(worker_id=1, keys=["w#0"], min_version=0, have_versions=[0])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, push, other), "worker_id")
+    # a bad push half is refused before anything is applied or pulled
+    bad = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk(data=np.full(100, np.nan, np.float32).tobytes())])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, bad, pull), "NaN")
+    _unchanged(c)
+
+
+def test_push_pull_retry_is_acknowledged_not_applied_twice(setup):
+    """A PushPull re-sent after a lost answer: the push is a duplicate, the pull is served again."""
+    c, _, stub = setup
+    c.shards[0].evict(1)                       # world of 2; worker 1 never comes: the step completes with 0
+    push = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk()])
+    pull = pb.PullRequest(worker_id=0, keys=["w#0"], min_version=1, have_versions=[0])
+    first = _push_pull(stub, push, pull)
+    again = _push_pull(stub, push, pull)
+    assert list(first.push.duplicate) == [False] and list(again.push.duplicate) == [True]
+    assert list(first.pull.versions) == list(again.pull.versions) == [1]
+    assert c.shards[0].keys["w#0"].version == 1 and c.shards[0].counters["duplicates"] == 1
+    assert c.shards[0].counters["grads_applied"] == 1

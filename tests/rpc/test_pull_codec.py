@@ -1,0 +1,86 @@
+"""Compressed pulls: deltas against a shared view, identical on every worker, exact again after rollback."""
+import pytest
+import torch
+from helpers import client
+
+from compression import CodecError
+from deltaps.pull_codec import resolve_pull_codec
+
+
+def _clients(c, n, **kw):
+    cls = [client(c.addrs, r, n, chunk_bytes=8192, **kw) for r in range(n)]
+    params = [("w", torch.randn(5000, generator=torch.Generator().manual_seed(0))), ("b", torch.zeros(300))]
+    for cl in cls:
+        cl.setup(params)
+    views = [cl.pull(out=None, delta=True) for cl in cls]
+    return cls, views
+
+
+def _step(cls, views, step, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _r, cl in enumerate(cls):
+        cl.push({"w": torch.randn(5000, generator=g), "b": torch.randn(300, generator=g)}, step)
+    for cl, v in zip(cls, views):
+        cl.pull(min_version=step + 1, out=v, delta=True)
+
+
+def test_int8_deltas_keep_every_worker_on_the_same_view(cluster_factory):
+    c = cluster_factory(2)
+    cls, views = _clients(c, 2, pull_codec="int8")
+    for step in range(10):
+        _step(cls, views, step, step)
+    exact = cls[0].pull()                       # plain pull: exact server values
+    for n in ("w", "b"):
+        assert torch.equal(views[0][n], views[1][n])                   # bit-identical on both workers
+        server_view = torch.cat([c.shards[k.shard].keys[k.key].view.view for k in cls[0].by_param[n]])
+        assert torch.equal(views[0][n], server_view)
+        err = (views[0][n] - exact[n]).abs().max().item()
+        assert 0 < err < 0.02 * exact[n].abs().max().item()         # lossy but close: error feedback
+    plain = 11 * 5300 * 4                     # 1 initial + 10 step pulls of exact float32 values
+    wire = cls[1].stats.snapshot()["bytes_pulled_wire"]
+    assert wire < 0.5 * plain, (wire, plain)  # one full view, then int8 deltas (~1/4 of float32)
+    for cl in cls:
+        cl.close()
+
+
+def test_unchanged_keys_cost_nothing_and_new_clients_get_the_full_view(cluster_factory):
+    c = cluster_factory(1)
+    cls, views = _clients(c, 1, pull_codec="int8")
+    _step(cls, views, 0, 1)
+    before = cls[0].stats.snapshot()["bytes_pulled_wire"]
+    cls[0].pull(min_version=1, out=views[0], delta=True)          # nothing new on the server
+    assert cls[0].stats.snapshot()["bytes_pulled_wire"] == before
+    late = client(c.addrs, 0, 1, chunk_bytes=8192, pull_codec="int8")
+    late.setup([("w", torch.zeros(5000)), ("b", torch.zeros(300))])
+    fresh = late.pull(delta=True)
+    assert torch.equal(fresh["w"], views[0]["w"])                  # joiner holds the shared view too
+    late.close()
+    cls[0].close()
+
+
+def test_rollback_to_none_makes_pulls_exact_again(cluster_factory):
+    c = cluster_factory(2)
+    cls, views = _clients(c, 2, codec="int8", pull_codec="auto")
+    assert c.shards[0].pull_spec == "int8"
+    _step(cls, views, 0, 3)
+    cls[0].set_codec("none")
+    assert all(s.pull_spec == "none" for s in c.shards)
+    _step(cls, views, 1, 4)
+    exact = cls[0].pull()
+    for n in ("w", "b"):
+        assert torch.equal(views[0][n], exact[n]) and torch.equal(views[1][n], exact[n])
+    for cl in cls:
+        cl.close()
+
+
+def test_pull_codec_resolution():
+    assert resolve_pull_codec("auto", "none") == "none"
+    assert resolve_pull_codec("auto", "topk:ratio=0.01") == "int8"
+    assert resolve_pull_codec("auto", "int8") == "int8"
+    assert resolve_pull_codec("auto", "qsgd:levels=16") == "int8"
+    assert resolve_pull_codec("auto", "fp16") == "fp16"
+    assert resolve_pull_codec("fp16", "none") == "fp16"
+    with pytest.raises(CodecError):
+        resolve_pull_codec("dgc:ratio=0.01", "none")
+    with pytest.raises(CodecError):
+        resolve_pull_codec("bogus", "none")

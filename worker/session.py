@@ -1,0 +1,207 @@
+"""Client side of the failure semantics (README "Failure semantics"): one ShardSession per shard.
+
+* Reconnect: UNAVAILABLE / CANCELLED (connection refused or lost) is retried with exponential backoff
+  and jitter until `reconnect_deadline_s` has passed since the first failure; then a PSError naming the
+  shard and its address ends the job cleanly instead of hanging.
+* Restart detection: Register returns the shard's `server_id` (random per server process). Every
+  Push/Pull carries it; a restarted shard refuses requests meant for its predecessor with ABORTED.
+* Replay: every PushRequest is kept in a per-shard buffer until the shard reports it durable
+  (`durable_step` in PushResponse: a retained checkpoint holds the worker's pushes below it). When the
+  shard comes back with a new server_id, the session re-registers and re-sends the buffered pushes in
+  their original order: the shard's per-(key, worker) dedup acknowledges those its checkpoint already
+  holds and applies the rest. Only then do the interrupted calls (pushes, pulls) go out again.
+* The buffer holds at most `replay_steps` distinct steps. Past that the oldest are dropped; should the
+  shard then restart from a checkpoint older than the oldest kept push, recovery fails with DATA_LOSS
+  (never silently): raise replay_steps or checkpoint more often.
+* Eviction: a push refused because the worker is no longer live (evicted for silence) re-registers,
+  which puts the worker back at the current version, and is retried (duplicates are acknowledged).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+
+import grpc
+
+from deltaps.errors import NOT_LIVE_MEMBER, PSError, from_rpc_error
+
+log = logging.getLogger("deltaps.client")
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def backoff_delays(base: float = 0.05, cap: float = 2.0):
+    """Exponential backoff with jitter: base * 2^i capped, times a random factor in [0.5, 1.5)."""
+    i = 0
+    while True:
+        yield min(cap, base * (2 ** i)) * (0.5 + random.random())
+        i = min(i + 1, 30)
+
+
+class ShardSession:
+    """Connection state of one client to one shard: incarnation, registration, replay buffer."""
+
+    def __init__(self, client, shard: int):
+        self.client, self.shard = client, shard
+        self.addr = client.servers[shard]
+        self.lock = threading.RLock()       # held during recovery; guards the buffer
+        self.server_id = ""                  # incarnation registered with ("" = not yet)
+        self.epoch = 0                       # bumped by every recovery
+        self.register_req = None
+        self.buffer: deque = deque()         # (step, seq, PushRequest) not yet durable, in send order
+        self.buffering = True                # False once the shard says it does not checkpoint
+        self.dropped_below = 0               # pushes with step < this were dropped for the size bound
+        self.restarts = 0
+        self.replayed = 0
+
+    # ---- plumbing -------------------------------------------------------------------------------
+    def _stub_call(self, method: str, req, timeout: float):
+        try:
+            return getattr(self.client.stubs[self.shard], method)(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def _unreachable(self, t0: float, err) -> "Exception":
+        return PSError(grpc.StatusCode.UNAVAILABLE,
+                       f"shard {self.shard} at {self.addr} unreachable for {time.monotonic() - t0:.1f}s "
+                       f"(reconnect deadline {self.client.reconnect_deadline_s:g}s): {err}")
+
+    def _with_backoff(self, fn, t0: float | None = None):
+        """fn() retried on connection errors until the reconnect deadline (from t0, default now)."""
+        t0 = time.monotonic() if t0 is None else t0
+        delays = backoff_delays()
+        while True:
+            try:
+                return fn()
+            except PSError as e:
+                if e.code not in RETRYABLE:
+                    raise
+                if self.client.closed.is_set() or time.monotonic() - t0 > self.client.reconnect_deadline_s:
+                    raise self._unreachable(t0, e) from None
+                time.sleep(min(next(delays), max(0.0, t0 + self.client.reconnect_deadline_s - time.monotonic())))
+
+    # ---- registration and recovery ----------------------------------------------------------------
+    def register(self, req):
+        """First registration (setup)."""
+        self.register_req = req
+        rep = self._with_backoff(lambda: self._stub_call("Register", req, 30.0))
+        with self.lock:
+            self.server_id = rep.server_id
+            self.buffering = rep.durable_step >= 0
+        return rep
+
+    def recover(self, epoch_seen: int, t0: float, cause) -> None:
+        """After a failure seen at `epoch_seen`: re-register (reconnecting with backoff), and if the shard
+        restarted, replay the buffered pushes. A no-op when another thread already recovered."""
+        with self.lock:
+            if self.epoch != epoch_seen:
+                return
+            rep = self._with_backoff(lambda: self._stub_call("Register", self.register_req, 30.0), t0)
+            self.buffering = rep.durable_step >= 0
+            if rep.server_id == self.server_id:
+                self.epoch += 1
+                return
+            self.restarts += 1
+            if not rep.initialized:
+                raise PSError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shard {self.shard} at {self.addr} restarted without its state (server_id "
+                              f"{rep.server_id}; was it started with --restore?); cannot continue")
+            pending = list(self.buffer)
+            log.warning("worker %d: shard %d (%s) restarted (server_id %s -> %s) at step %d; replaying %d "
+                        "buffered pushes (%s)", self.client.worker_id, self.shard, self.addr, self.server_id or "-",
+                        rep.server_id, rep.step, len(pending), cause)
+            if rep.step < self.dropped_below and (not pending or rep.step < pending[0][0]):
+                raise PSError(grpc.StatusCode.DATA_LOSS,
+                              f"shard {self.shard} at {self.addr} restarted at step {rep.step} but the replay buffer "
+                              f"starts at step {self.dropped_below} (replay_steps={self.client.replay_steps}); "
+                              f"pushes of steps {rep.step}..{self.dropped_below - 1} are lost: raise replay_steps "
+                              f"or checkpoint more often")
+            for _, _, req in pending:
+                req.server_id = rep.server_id
+                try:
+                    resp = self._with_backoff(lambda req=req: self._stub_call("Push", req, self.client.timeout_s), t0)
+                except PSError as e:
+                    raise PSError(e.code, f"shard {self.shard} at {self.addr}: replaying step {req.step} "
+                                          f"(seq {req.seq}) after a restart failed: {e}") from None
+                self.replayed += 1
+                self._trim(resp.durable_step)
+            self.server_id = rep.server_id
+            self.epoch += 1
+            self.client._on_shard_restart(self.shard)
+
+    def call(self, method: str, build, timeout: float):
+        """Send build() (rebuilt per attempt, with the current server_id); recover and retry on connection
+        loss, a restarted shard (ABORTED) or eviction (pushes only)."""
+        t0 = None
+        while True:
+            with self.lock:
+                epoch = self.epoch
+                req = build()
+                if hasattr(req, "server_id"):
+                    req.server_id = self.server_id
+            try:
+                return self._stub_call(method, req, timeout)
+            except PSError as e:
+                evicted = (method in ("Push", "PushPull") and e.code == grpc.StatusCode.FAILED_PRECONDITION
+                           and e.reason == NOT_LIVE_MEMBER)
+                if e.code not in RETRYABLE and e.code != grpc.StatusCode.ABORTED and not evicted:
+                    raise
+                if self.client.closed.is_set():
+                    raise
+                t0 = time.monotonic() if t0 is None else t0
+                if time.monotonic() - t0 > self.client.reconnect_deadline_s:
+                    raise self._unreachable(t0, e) from None
+                if evicted:
+                    log.warning("worker %d: shard %d evicted us; re-registering", self.client.worker_id, self.shard)
+                self.recover(epoch, t0, e)
+
+    # ---- pushes ---------------------------------------------------------------------------------
+    def push(self, req, timeout: float):
+        """Send one PushRequest exactly once from the job's point of view (buffered for replay)."""
+        with self.lock:
+            if self.buffering:
+                self.buffer.append((req.step, req.seq, req))
+                self._bound()
+        rep = self.call("Push", lambda: req, timeout)
+        with self.lock:
+            self._trim(rep.durable_step)
+        return rep
+
+    def push_pull(self, req, build_pull, timeout: float):
+        """A PushPullRequest whose push half is filled: that half is buffered for replay exactly like
+        push(); the pull half is rebuilt per attempt (a restarted shard needs full values again). A retry
+        after a lost answer gets the push acknowledged as a duplicate, never applied twice."""
+        push_req = req.push
+        with self.lock:
+            if self.buffering:
+                self.buffer.append((push_req.step, push_req.seq, push_req))
+                self._bound()
+
+        def build():
+            req.pull.CopyFrom(build_pull())     # small: keys and versions only
+            push_req.server_id = req.pull.server_id = self.server_id
+            return req
+        rep = self.call("PushPull", build, timeout)
+        with self.lock:
+            self._trim(rep.push.durable_step)
+        return rep
+
+    def _trim(self, durable_step: int) -> None:
+        if durable_step < 0:
+            self.buffering = False
+            self.buffer.clear()
+            return
+        while self.buffer and self.buffer[0][0] < durable_step:
+            self.buffer.popleft()
+
+    def _bound(self) -> None:
+        limit = self.client.replay_steps
+        while self.buffer and self.buffer[-1][0] - self.buffer[0][0] >= limit:
+            step = self.buffer.popleft()[0]
+            if step + 1 > self.dropped_below:
+                log.warning("worker %d: replay buffer of shard %d exceeds replay_steps=%d; dropping step %d",
+                            self.client.worker_id, self.shard, limit, step)
+            self.dropped_below = max(self.dropped_below, step + 1)

@@ -1,0 +1,1 @@
+"""Bundled workloads: digits (data + MLP) and the synthetic CTR task."""

@@ -1,0 +1,136 @@
+"""Synthetic click-through workload: Zipf-distributed categorical ids, labels from a hidden model.
+
+`fields` categorical features share one embedding table of `rows` rows; field f draws ids from its own
+contiguous range of rows // fields ids, Zipf(a) over ranks (rank 1 most popular), mapped to ids by a fixed
+affine permutation so popular ids are spread over the range (and over the shards, id % n). Each sample
+also has `DENSE` standard-normal dense features.
+
+Labels come from a hidden ground-truth model: every id has a hidden `TEACHER_DIM`-dim vector (a hash of
+the id, ps.embedding.hash_uniform, never stored), each field a fixed projection; logit = sum over fields
+of <u_id, w_f> + <x_dense, v> + b, label ~ Bernoulli(sigmoid(logit)). So loss / AUC are meaningful: the
+teacher's own AUC on the test set (`oracle_auc`) is the ceiling, 0.5 is chance. Everything is a pure
+function of (seed, worker rank, step): reruns and every mode see the same data.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaps.embedding import TableSpec, dense_init, hash_uniform
+
+DENSE = 13
+TEACHER_DIM = 8
+TEST_SAMPLES = 8192
+
+
+class CTRData:
+    def __init__(self, rows: int, fields: int = 8, zipf_a: float = 1.1, seed: int = 0):
+        if rows < fields:
+            raise ValueError(f"embedding rows {rows} < fields {fields}")
+        self.rows, self.fields, self.a, self.seed = rows, fields, zipf_a, seed
+        self.per_field = rows // fields
+        ranks = np.arange(1, self.per_field + 1, dtype=np.float64)
+        w = ranks ** -zipf_a
+        self.cdf = np.cumsum(w) / w.sum()
+        m = self.per_field
+        mult = 2_654_435_761 % m or 1
+        while np.gcd(mult, m) != 1:
+            mult += 1
+        self.mult, self.off = mult, (seed * 97_531) % m
+        g = np.random.default_rng(seed + 12345)
+        self.w_fields = g.normal(0, 1.0, (fields, TEACHER_DIM)) / np.sqrt(fields * TEACHER_DIM / 12.0)
+        self.v_dense = g.normal(0, 0.5 / np.sqrt(DENSE), DENSE)
+        self.bias = -0.5
+
+    def _ids(self, g: np.random.Generator, n: int) -> np.ndarray:
+        rank = np.searchsorted(self.cdf, g.random((n, self.fields)))          # 0-based rank, Zipf
+        local = (rank * self.mult + self.off) % self.per_field
+        return local + np.arange(self.fields) * self.per_field                 # [n, fields] global ids
+
+    def teacher_logit(self, ids: np.ndarray, dense: np.ndarray) -> np.ndarray:
+        u = hash_uniform(ids.reshape(-1), TEACHER_DIM, self.seed, scale=1.0, salt=1).numpy()
+        u = u.reshape(ids.shape[0], self.fields, TEACHER_DIM)
+        return np.einsum("bfd,fd->b", u, self.w_fields) * 2.0 + dense @ self.v_dense + self.bias
+
+    def sample(self, g: np.random.Generator, n: int):
+        ids = self._ids(g, n)
+        dense = g.normal(0, 1, (n, DENSE)).astype(np.float32)
+        p = 1 / (1 + np.exp(-self.teacher_logit(ids, dense)))
+        y = (g.random(n) < p).astype(np.float32)
+        return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(dense), torch.from_numpy(y), p
+
+    def batch(self, rank: int, step: int, batch_size: int):
+        g = np.random.default_rng([self.seed, 1 + rank, step])
+        ids, dense, y, _ = self.sample(g, batch_size)
+        return ids, dense, y
+
+    def test_set(self):
+        g = np.random.default_rng([self.seed, 0, 10**9])
+        ids, dense, y, p = self.sample(g, TEST_SAMPLES)
+        return ids, dense, y, torch.from_numpy(p)
+
+
+class CTRModel(nn.Module):
+    """Embedding (rows x dim, shared by all fields) -> concat with dense features -> MLP -> click logit."""
+
+    def __init__(self, rows: int, dim: int = 64, fields: int = 8, hidden: int = 256, layers: int = 2, seed: int = 0,
+                 materialize_table: bool = True, table_spec: TableSpec | None = None):
+        super().__init__()
+        self.fields, self.dim = fields, dim
+        # the table's initial values are ps.embedding's hash init, in every mode (the PS computes the same);
+        # hybrid mode builds a 1-row placeholder that replace_embeddings swaps for a PSEmbedding
+        spec = table_spec or TableSpec("emb", rows, dim, seed=seed)
+        self.emb = nn.Embedding(rows if materialize_table else 1, dim,
+                                _weight=dense_init(spec) if materialize_table else torch.zeros(1, dim))
+        torch.manual_seed(seed)   # the MLP's init does not depend on how the table was made
+        mods, width = [], fields * dim + DENSE
+        for _ in range(layers):
+            mods += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        mods.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*mods)
+
+    def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        e = self.emb(ids).reshape(ids.shape[0], self.fields * self.dim)
+        return self.mlp(torch.cat([e, dense], 1)).squeeze(1)
+
+
+def table_spec(cfg) -> TableSpec:
+    return TableSpec("emb", cfg.embedding_rows, cfg.embedding_dim, cfg.embedding_optimizer, lr=cfg.embedding_lr,
+                     eps=1e-10 if cfg.embedding_optimizer == "adagrad" else 1e-8, init="uniform",
+                     init_scale=0.05, seed=cfg.seed)
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties averaged."""
+    s = scores.double().numpy()
+    y = labels.numpy() > 0.5
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(s, kind="mergesort")
+    ranks = np.empty(len(s))
+    sorted_s = s[order]
+    i = 0
+    while i < len(s):
+        j = i
+        while j + 1 < len(s) and sorted_s[j + 1] == sorted_s[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: CTRData) -> dict:
+    ids, dense, y, p = data.test_set()
+    was = model.training
+    model.eval()
+    logits = model(ids, dense)
+    model.train(was)
+    return {"test_loss": F.binary_cross_entropy_with_logits(logits, y).item(),
+            "test_auc": auc(logits, y), "test_accuracy": ((logits > 0).float() == y).float().mean().item(),
+            "oracle_auc": auc(p, y),
+            "oracle_loss": F.binary_cross_entropy(p.float().clamp(1e-7, 1 - 1e-7), y).item()}
