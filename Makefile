@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test bench proto clean prometheus kubectl advise-validate
+.PHONY: setup demo test test-unit lint bench proto clean prometheus kubectl advise-validate
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# the one protoc recipe (protos/build.py; the Dockerfiles and the first import of `protos` run it too)
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos $(PROTO_SRC)
-	sed -i 's/^import deltaps_pb2 as/from protos import deltaps_pb2 as/' protos/deltaps_pb2_grpc.py
+	$(BIN)/python -m protos.build
 
 $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
 	$(MAKE) proto
@@ -27,8 +27,16 @@ $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
 demo: setup
 	$(BIN)/deltaps launch --config configs/demo.yaml --json demo-summary.json
 
-test: setup prometheus kubectl
+# ruff first (lint + import order, configured in pyproject.toml), then every test
+test: setup lint prometheus kubectl
 	$(BIN)/python -m pytest -q
+
+# tests/unit: no sockets, no processes; under a minute
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: setup
+	$(BIN)/ruff check .
 
 # Real Prometheus + promtool for tests/test_metrics*.py (Debian package). Never fails the build: without
 # it those tests skip and say why.

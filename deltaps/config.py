@@ -1,4 +1,8 @@
-"""Job configuration: dataclass defaults < YAML file (--config) < command-line flags."""
+"""Job configuration: dataclass defaults < YAML file (--config) < command-line flags.
+
+Each field carries its help text (and, for sizes, its parser) next to its default: the flags of
+`deltaps launch` / `deltaps worker` are generated from these fields.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,51 +11,78 @@ from dataclasses import dataclass, field, fields
 
 import yaml
 
+from deltaps.units import parse_bytes
+
+
+def option(default, help: str, parse=None):   # noqa: A002 - argparse's own word
+    """A config field with its help text and an optional value parser (applied to flags and YAML)."""
+    return field(default=default, metadata={"help": help, "parse": parse})
+
 
 @dataclass
 class TrainConfig:
-    mode: str = "ps"                 # ps (parameter servers) | allreduce (DDP baseline) | hybrid
-    sync: str = "bsp"                # bsp | asp | ssp:S
-    servers: int = 2                 # launch: number of PS shards
-    workers: int = 2                 # launch: number of workers (= world size)
-    steps: int = 300
-    batch_size: int = 32             # per worker
-    optimizer: str = "adam"          # sgd | adam (runs on the servers)
-    lr: float = 1e-3
-    momentum: float = 0.9            # sgd only
-    weight_decay: float = 0.0
-    codec: str = "none"              # gradient codec spec, e.g. int8, topk:ratio=0.01
-    chunk_bytes: int = 4 << 20       # tensors are split into keys of at most this size
-    max_message_bytes: int = 64 << 20
-    bucket_bytes: int = 25 << 20     # gradient fusion: pushes go out per bucket of this many bytes (0 = per parameter)
-    pull_codec: str = "auto"         # parameter deltas served by pulls: auto (follows codec), none, spec
-    min_compress_bytes: int = 1024   # smaller tensors go uncompressed (256 float32)
-    compress_warmup_steps: int = 0   # send uncompressed for the first N steps
-    fallback_factor: float = 3.0     # auto-rollback to codec none if smoothed loss > factor x its minimum (0 = off)
-    fallback_warmup_steps: int = 50  # loss-rise check starts after this many steps (NaN/Inf always checked)
-    fallback_loss_floor: float = 0.05  # minimum below this counts as this (noise near zero loss)
-    hidden: int = 256
-    layers: int = 2
-    seed: int = 0
-    timeout_s: float = 120.0         # longest a push/pull/barrier may wait
-    reconnect_deadline_s: float = 60.0  # give up (PSError naming the shard) after a shard is unreachable this long
-    replay_steps: int = 256          # per-shard replay buffer bound, in steps (pushes not yet in a checkpoint)
-    progress: bool = True            # tqdm bar (launch shows rank 0's)
-    log_every: int = 0               # log loss every N steps (0 = never)
-    save_model: str = ""             # rank 0 writes the final model's state_dict here (torch.save)
-    # ---- hybrid parallelism / embedding workload (worker/hybrid.py, README "Hybrid parallelism") ----
-    workload: str = "mlp"            # mlp (digits MLP) | ctr (synthetic click-through model, large embedding)
-    ps_params: str = "embedding"     # hybrid: modules on the PS (row-sparse): "embedding" or fnmatch patterns
-    embedding_rows: int = 1_000_000  # ctr: rows of the embedding table
-    embedding_dim: int = 64
-    embedding_fields: int = 8        # ctr: categorical fields per sample (share the table)
-    embedding_optimizer: str = "adagrad"  # sgd | adagrad | adam (row-wise on the PS; dense torch in allreduce)
-    embedding_lr: float = 0.05
-    zipf_a: float = 1.1              # ctr: Zipf exponent of the id distribution
-    # ---- pipeline parallelism (worker/pipeline.py, README "Hybrid parallelism") ----
-    pipeline_stages: int = 2         # pipeline: stages S per replica (workers = S x data-parallel replicas)
-    microbatches: int = 4            # pipeline: micro-batches per step (must divide --batch-size)
-    pipeline_schedule: str = "gpipe"  # pipeline: gpipe | 1f1b (torch.distributed.pipelining)
+    mode: str = option(
+        "ps",
+        "training mode: ps (parameter servers), allreduce (DDP ring-allreduce baseline), hybrid (embeddings "
+        "on the PS, rest allreduced) or pipeline (pipeline stages x data-parallel replicas via the PS)")
+    sync: str = option("bsp", "bsp, asp or ssp:S")
+    servers: int = option(2, "number of PS shards (launch)")
+    workers: int = option(2, "number of workers / world size (launch)")
+    steps: int = option(300, "training steps per worker")
+    batch_size: int = option(32, "batch size per worker")
+    optimizer: str = option("adam", "server-side optimizer: sgd or adam")
+    lr: float = option(1e-3, "learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(0.0, "weight decay")
+    codec: str = option("none", "gradient codec spec (none, fp16, int8, topk:ratio=0.01, ...)")
+    chunk_bytes: int = option(4 << 20, "split tensors into keys of at most this many bytes", parse=parse_bytes)
+    max_message_bytes: int = option(64 << 20, "gRPC max send/receive message size", parse=parse_bytes)
+    bucket_bytes: int = option(
+        25 << 20,
+        "gradient fusion (as DDP buckets): parameters are grouped in backward order into buckets of about "
+        "this many bytes; a complete bucket goes out as one PushPull RPC per shard (0 = per parameter)", parse=parse_bytes)
+    pull_codec: str = option(
+        "auto",
+        "codec for parameter deltas sent back by pulls: auto (follows --codec), none, or a spec")
+    min_compress_bytes: int = option(1024, "tensors smaller than this go uncompressed", parse=parse_bytes)
+    compress_warmup_steps: int = option(0, "send uncompressed for the first N steps")
+    fallback_factor: float = option(
+        3.0,
+        "roll back to codec none when smoothed loss exceeds this factor of its minimum (0 = off)")
+    fallback_warmup_steps: int = option(50, "steps before the loss-rise fallback check starts")
+    fallback_loss_floor: float = option(0.05, "loss minimum used by the fallback check is at least this")
+    hidden: int = option(256, "MLP hidden width")
+    layers: int = option(2, "MLP hidden layers")
+    seed: int = option(0, "random seed (model init, data order)")
+    timeout_s: float = option(120.0, "longest a push/pull/barrier may wait, seconds")
+    reconnect_deadline_s: float = option(
+        60.0,
+        "fail with an error naming the shard after it was unreachable this long, seconds")
+    replay_steps: int = option(
+        256,
+        "keep at most this many steps of not-yet-checkpointed pushes per shard for replay after a restart")
+    progress: bool = option(True, "show a tqdm progress bar")
+    log_every: int = option(0, "log the loss every N steps (0 = never)")
+    save_model: str = option("", "rank 0 saves the final model state_dict to this path (torch.save)")
+    # ---- hybrid parallelism / embedding workload (worker/trainers/hybrid.py, docs/hybrid.md) ----
+    workload: str = option(
+        "mlp",
+        "model/data: mlp (digits MLP) or ctr (synthetic click-through model with a large embedding table)")
+    ps_params: str = option(
+        "embedding",
+        "hybrid mode: modules kept on the PS row-sparse: embedding (every nn.Embedding) or fnmatch patterns")
+    embedding_rows: int = option(1_000_000, "ctr workload: embedding table rows")
+    embedding_dim: int = option(64, "ctr workload: embedding width")
+    embedding_fields: int = option(8, "ctr workload: categorical fields per sample (sharing the table)")
+    embedding_optimizer: str = option(
+        "adagrad",
+        "embedding table optimizer: sgd, adagrad or adam (row-wise lazy on the PS)")
+    embedding_lr: float = option(0.05, "embedding table learning rate")
+    zipf_a: float = option(1.1, "ctr workload: Zipf exponent of the ids")
+    # ---- pipeline parallelism (worker/trainers/pipeline.py, docs/hybrid.md) ----
+    pipeline_stages: int = option(2, "pipeline mode: stages per pipeline replica (workers must be a multiple of it)")
+    microbatches: int = option(4, "pipeline mode: micro-batches per step (must divide --batch-size)")
+    pipeline_schedule: str = option("gpipe", "pipeline mode: schedule, gpipe or 1f1b")
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -101,42 +132,6 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-_HELP = {
-    "mode": "training mode: ps (parameter servers), allreduce (DDP ring-allreduce baseline), hybrid "
-            "(embeddings on the PS, rest allreduced) or pipeline (pipeline stages x data-parallel replicas via the PS)", "sync": "bsp, asp or ssp:S", "servers": "number of PS shards (launch)",
-    "workers": "number of workers / world size (launch)", "steps": "training steps per worker",
-    "batch_size": "batch size per worker", "optimizer": "server-side optimizer: sgd or adam",
-    "lr": "learning rate", "momentum": "SGD momentum", "weight_decay": "weight decay",
-    "codec": "gradient codec spec (none, fp16, int8, topk:ratio=0.01, ...)",
-    "chunk_bytes": "split tensors into keys of at most this many bytes",
-    "max_message_bytes": "gRPC max send/receive message size",
-    "bucket_bytes": "gradient fusion (as DDP buckets): parameters are grouped in backward order into buckets of "
-                    "about this many bytes; a complete bucket goes out as one PushPull RPC per shard (0 = per parameter)", "hidden": "MLP hidden width",
-    "pull_codec": "codec for parameter deltas sent back by pulls: auto (follows --codec), none, or a spec",
-    "min_compress_bytes": "tensors smaller than this go uncompressed",
-    "compress_warmup_steps": "send uncompressed for the first N steps",
-    "fallback_factor": "roll back to codec none when smoothed loss exceeds this factor of its minimum (0 = off)",
-    "fallback_warmup_steps": "steps before the loss-rise fallback check starts",
-    "fallback_loss_floor": "loss minimum used by the fallback check is at least this",
-    "layers": "MLP hidden layers", "seed": "random seed (model init, data order)",
-    "timeout_s": "longest a push/pull/barrier may wait, seconds",
-    "reconnect_deadline_s": "fail with an error naming the shard after it was unreachable this long, seconds",
-    "replay_steps": "keep at most this many steps of not-yet-checkpointed pushes per shard for replay after a restart",
-    "progress": "show a tqdm progress bar",
-    "log_every": "log the loss every N steps (0 = never)",
-    "save_model": "rank 0 saves the final model state_dict to this path (torch.save)",
-    "workload": "model/data: mlp (digits MLP) or ctr (synthetic click-through model with a large embedding table)",
-    "ps_params": "hybrid mode: modules kept on the PS row-sparse: embedding (every nn.Embedding) or fnmatch patterns",
-    "embedding_rows": "ctr workload: embedding table rows", "embedding_dim": "ctr workload: embedding width",
-    "embedding_fields": "ctr workload: categorical fields per sample (sharing the table)",
-    "embedding_optimizer": "embedding table optimizer: sgd, adagrad or adam (row-wise lazy on the PS)",
-    "embedding_lr": "embedding table learning rate", "zipf_a": "ctr workload: Zipf exponent of the ids",
-    "pipeline_stages": "pipeline mode: stages per pipeline replica (workers must be a multiple of it)",
-    "microbatches": "pipeline mode: micro-batches per step (must divide --batch-size)",
-    "pipeline_schedule": "pipeline mode: schedule, gpipe or 1f1b",
-}
-
-
 WORKER_EXCLUDED = ("servers", "workers")  # a worker gets addresses and --world-size instead
 
 
@@ -146,26 +141,29 @@ def add_train_args(p: argparse.ArgumentParser, exclude: tuple = ()) -> None:
         if f.name == "extra" or f.name in exclude:
             continue
         flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"]
         if f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=_HELP[f.name])
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            cast = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            p.add_argument(flag, dest=f.name, type=cast, default=None, help=_HELP[f.name])
+            cast = f.metadata["parse"] or {"int": int, "float": float, "str": str}[
+                f.type if isinstance(f.type, str) else f.type.__name__]
+            p.add_argument(flag, dest=f.name, type=cast, default=None, help=help_text)
 
 
 def load_config(path: str | None, overrides: dict | None = None) -> TrainConfig:
     cfg = TrainConfig()
-    known = {f.name for f in fields(TrainConfig)}
+    known = {f.name: f for f in fields(TrainConfig)}
     if path:
         with open(path) as fh:
             data = yaml.safe_load(fh) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: top level must be a mapping")
-        unknown = set(data) - known
+        unknown = set(data) - set(known)
         if unknown:
             raise ValueError(f"{path}: unknown config keys: {', '.join(sorted(unknown))}")
         for k, v in data.items():
-            setattr(cfg, k, v)
+            parse = known[k].metadata.get("parse")
+            setattr(cfg, k, parse(v) if parse else v)   # YAML sizes may be spelled '4MiB' too
     for k, v in (overrides or {}).items():
         if v is not None and k in known:
             setattr(cfg, k, v)

@@ -1,11 +1,17 @@
-"""Key layout: parameters -> chunk keys -> shards. Deterministic, so every worker computes the same."""
+"""Key layout and message sizing: parameters -> chunk keys -> shards, gradient buckets, fused messages.
+
+Deterministic, so every worker computes the same layout; the cost model (deltaps/tools/costmodel.py)
+calls these same functions, so its predicted RPC counts follow the runtime by construction.
+"""
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20      # a key holds at most this many bytes
+DEFAULT_BUCKET_BYTES = 25 << 20    # gradient fusion bucket, as DDP's bucket_cap_mb default
+MESSAGE_HEADROOM = 1 << 20         # fused messages stay this far below the gRPC message limit
 
 
 @dataclass(frozen=True)
@@ -61,3 +67,41 @@ def shard_loads(layout: list[Key], num_shards: int) -> list[int]:
     for k in layout:
         load[k.shard] += k.numel * itemsize(k.dtype)
     return load
+
+
+def check_message_limits(chunk_bytes: int, max_message_bytes: int) -> None:
+    """A request carries up to two chunks of raw data, so a chunk must fit twice in a message."""
+    if chunk_bytes * 2 > max_message_bytes:
+        raise ValueError(f"chunk_bytes {chunk_bytes} too large for max message {max_message_bytes}")
+
+
+def fused_message_bytes(chunk_bytes: int, max_message_bytes: int) -> int:
+    """Raw bytes per fused PushPull message: 2 x chunk_bytes, less when the message limit is tight."""
+    return max(chunk_bytes, min(2 * chunk_bytes, max_message_bytes - MESSAGE_HEADROOM))
+
+
+def make_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """(name, gradient bytes) in model order -> names grouped in backward order (reverse of model order)
+    into buckets of about bucket_bytes (a larger parameter is a bucket of its own); 0 = one per parameter."""
+    buckets, size = [[]], 0
+    for name, nbytes in reversed(sizes):
+        if buckets[-1] and (bucket_bytes <= 0 or size + nbytes > bucket_bytes):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def message_batches(keys: list[Key], limit: int):
+    """Keys grouped into requests of at most `limit` bytes of raw fp32 data (a larger key goes alone)."""
+    batch, size = [], 0
+    for k in keys:
+        nbytes = k.numel * 4
+        if batch and size + nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(k)
+        size += nbytes
+    if batch:
+        yield batch

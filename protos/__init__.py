@@ -1,25 +1,8 @@
-"""Generated gRPC code for protos/deltaps.proto (built by `make proto`; generated on first import if missing)."""
-import os as _os
+"""Generated gRPC code for protos/deltaps.proto (built by protos/build.py; generated on first import if missing)."""
+from protos import build as _build
 
-_HERE = _os.path.dirname(_os.path.abspath(__file__))
-
-
-def _generate() -> None:
-    from grpc_tools import protoc  # dev dependency; `make setup` installs it
-
-    rc = protoc.main(["protoc", f"-I{_HERE}", f"--python_out={_HERE}", f"--grpc_python_out={_HERE}",
-                      _os.path.join(_HERE, "deltaps.proto")])
-    if rc != 0:
-        raise RuntimeError("protoc failed on protos/deltaps.proto")
-    path = _os.path.join(_HERE, "deltaps_pb2_grpc.py")
-    with open(path) as f:
-        src = f.read().replace("import deltaps_pb2 as", "from protos import deltaps_pb2 as")
-    with open(path, "w") as f:
-        f.write(src)
-
-
-if not _os.path.exists(_os.path.join(_HERE, "deltaps_pb2_grpc.py")):
-    _generate()
+if not _build.generated():
+    _build.generate()
 
 from protos import deltaps_pb2 as pb  # noqa: E402
 from protos import deltaps_pb2_grpc as rpc  # noqa: E402

@@ -1,10 +1,9 @@
 """Shard checkpoints: consistent snapshots of a Shard, restore, and the periodic/final checkpointer.
 
-A snapshot holds everything needed to resume exactly where the shard was: parameters, optimizer
-state, versions, the per-(key, worker) pushed table (idempotency), any in-progress bsp aggregation
-(agg + agg_from), the pull views, codec + codec_epoch, the live set and the counters. It is taken with
-the shard lock and every key lock held (sorted key order), so no push is half in it; tensors are
-cloned under the locks and serialised after releasing them. The file format (atomic, checksummed,
+A snapshot is Shard.state_dict() (which composes Job.state_dict and KeyState.state_dict, ps/state.py):
+parameters, optimizer state, versions, the per-(key, worker) pushed table (idempotency), any in-progress
+bsp aggregation, the pull views, codec + codec_epoch, the live set and the counters, taken under the
+shard's locks; it is serialised after they are released. The file format (atomic, checksummed,
 newest valid one wins) is ps/checkpoint.py.
 
 Durability feeds exactly-once across a crash: after each checkpoint the shard knows, per worker, the
@@ -13,21 +12,12 @@ reports it (durable_step) so clients can drop older pushes from their replay buf
 """
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
-from dataclasses import asdict
 
-import torch
-
-from deltaps.layout import Key
-from deltaps.optimizer_config import OptimizerConfig
-from deltaps.sync import parse_sync
 from ps.checkpoint import load_latest, write_checkpoint
-from ps.optimizer import KeyOptimizer
-from ps.pull_views import PullView
-from ps.shard import Job, KeyState, Shard
+from ps.shard import Shard
 
 log = logging.getLogger("deltaps.durability")
 FORMAT = 1
@@ -35,30 +25,7 @@ FORMAT = 1
 
 def snapshot(shard: Shard) -> dict:
     """A consistent, self-contained copy of the shard's state (plain types + tensors: weights_only safe)."""
-    with shard.lock, shard._all_keys_locked():
-        job = shard.job
-        keys = {}
-        for name, ks in shard.keys.items():
-            keys[name] = {
-                "spec": [ks.spec.key, ks.spec.param, ks.spec.offset, ks.spec.numel, ks.spec.dtype, ks.spec.shard],
-                "value": ks.value.clone(), "initialized": ks.initialized, "version": ks.version,
-                "pushed": dict(ks.pushed), "agg": None if ks.agg is None else ks.agg.clone(),
-                "agg_from": sorted(ks.agg_from),
-                "opt": copy.deepcopy(ks.opt.state_dict()) if ks.opt is not None else None,
-                "view": ks.view.view.clone() if ks.view is not None else None, "exact_since": ks.exact_since,
-            }
-        state = {
-            "format": FORMAT, "shard_id": shard.shard_id, "num_shards": shard.num_shards,
-            "job": None if job is None else {
-                "world_size": job.world_size, "sync": str(job.sync), "optimizer": asdict(job.optimizer),
-                "digest": job.digest, "codec": job.codec, "pull_codec": job.pull_codec},
-            "codec": shard.codec, "codec_epoch": shard.codec_epoch, "pull_spec": shard.pull_spec,
-            "live": sorted(shard.live), "keys": keys,
-            "counters": {k: int(v) for k, v in shard.counters.items()},
-            "staleness": {int(k): int(v) for k, v in shard.staleness.items()},
-            "saved_at": time.time(),
-        }
-    return state
+    return {"format": FORMAT, **shard.state_dict(), "saved_at": time.time()}
 
 
 def durable_steps(state: dict) -> dict[int, int]:
@@ -77,41 +44,10 @@ def restore(shard: Shard, state: dict) -> None:
     """Load a snapshot into a fresh shard (same shard id and count). The shard keeps its new server_id."""
     if state.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {state.get('format')!r} not supported (want {FORMAT})")
-    if (state["shard_id"], state["num_shards"]) != (shard.shard_id, shard.num_shards):
-        raise ValueError(f"checkpoint is of shard {state['shard_id']}/{state['num_shards']}, "
-                         f"this server is {shard.shard_id}/{shard.num_shards}")
-    with shard.lock:
-        j = state["job"]
-        shard.job = None if j is None else Job(j["world_size"], parse_sync(j["sync"]), OptimizerConfig(**j["optimizer"]),
-                                             j["digest"], j["codec"], j.get("pull_codec", "auto"))
-        shard.codec, shard.codec_epoch = state["codec"], state["codec_epoch"]
-        shard.pull_spec = state.get("pull_spec", "none")
-        keys = {}
-        for name, k in state["keys"].items():
-            ks = KeyState(Key(*k["spec"]), k["value"].clone().to(torch.float32))
-            ks.initialized, ks.version = k["initialized"], k["version"]
-            ks.pushed = {int(w): int(n) for w, n in k["pushed"].items()}
-            ks.agg = None if k["agg"] is None else k["agg"].clone()
-            ks.agg_from = set(k["agg_from"])
-            if ks.initialized:
-                ks.opt = KeyOptimizer(ks.value, shard.job.optimizer)
-                if k["opt"] is not None:
-                    ks.opt.load_state_dict(k["opt"])
-            if k.get("view") is not None and shard.pull_spec != "none":
-                ks.view = PullView(shard.pull_spec, k["view"])
-            ks.exact_since = k.get("exact_since", -1)
-            keys[name] = ks
-        shard.keys = keys
-        shard.live = set(state["live"])
-        shard.counters.clear()
-        shard.counters.update(state["counters"])
-        shard.staleness.clear()
-        shard.staleness.update(state["staleness"])
-        now = time.monotonic()
-        shard.last_seen = {w: now for w in shard.live}   # give every live worker a full timeout to come back
-        shard.durable_hist.clear()
-        shard.durable_hist.append(durable_steps(state))
-        shard.checkpoint_version = min_version(state)
+    shard.load_state_dict(state)
+    shard.durable_hist.clear()
+    shard.durable_hist.append(durable_steps(state))
+    shard.checkpoint_version = min_version(state)
 
 
 def restore_latest(shard: Shard, directory: str) -> str | None:

@@ -8,13 +8,11 @@ of other workers' updates the gradient missed. 0 under bsp, at most S under ssp:
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,44 +21,21 @@ from deltaps.errors import NOT_LIVE_MEMBER, ShardError
 from deltaps.layout import Key
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.pull_codec import FULL, UNCHANGED, resolve_pull_codec
-from deltaps.sync import SyncMode, parse_sync
+from deltaps.sync import parse_sync
+from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView
+from ps.state import Job, KeyState
 
 log = logging.getLogger("deltaps.shard")
 
 
 
 
-@dataclass
-class Job:
-    world_size: int
-    sync: SyncMode
-    optimizer: OptimizerConfig
-    digest: str
-    codec: str
-    pull_codec: str = "auto"         # as configured; Shard.pull_spec is the one in force
-
-
-@dataclass
-class KeyState:
-    spec: Key
-    value: torch.Tensor
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    initialized: bool = False
-    version: int = 0
-    pushed: dict = field(default_factory=dict)      # worker -> steps pushed (next expected step)
-    agg: torch.Tensor | None = None                  # bsp: sum of this step's gradients
-    agg_from: set = field(default_factory=set)
-    opt: KeyOptimizer | None = None
-    view: PullView | None = None                     # compressed-pull view (None: pulls send values)
-    exact_since: int = -1                            # version at which the last view was dropped
-
-
 NONFINITE_POLICIES = ("reject", "skip")
 
 
-class Shard:
+class Shard(Membership):
     def __init__(self, shard_id: int, num_shards: int, wait_timeout_s: float = 300.0, *,
                  worker_timeout_s: float = 0.0, nonfinite: str = "reject"):
         if nonfinite not in NONFINITE_POLICIES:
@@ -120,109 +95,6 @@ class Shard:
                 self._admit(worker)
             self.touch(worker)
             return all(ks.initialized for ks in self.keys.values())
-
-    # ---- elastic membership ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _all_keys_locked(self):
-        """Stop the world: every key's lock, in sorted key order (callers hold self.lock first)."""
-        with contextlib.ExitStack() as stack:
-            for name in sorted(self.keys):
-                stack.enter_context(self.keys[name].cond)
-            yield
-
-    def _admit(self, worker: int) -> None:
-        """(Re)join `worker` at the current version (self.lock held). Its pushed count on each key becomes
-        at least the key's version, so it is never "behind" and its next step is worker_step()."""
-        with self._all_keys_locked():
-            for ks in self.keys.values():
-                ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
-            if worker not in self.live:
-                self.live.add(worker)
-                self.counters["rejoins"] += 1
-                log.warning("shard %d: worker %d (re)joined the job at step %d; live workers %s", self.shard_id,
-                            worker, self.worker_step(worker), sorted(self.live))
-
-    def worker_step(self, worker: int) -> int:
-        """The step this worker pushes next on this shard (min over keys); a (re)joining worker starts here."""
-        return min((ks.pushed.get(worker, 0) for ks in self.keys.values()), default=0)
-
-    def durable_step(self, worker: int) -> int:
-        """Steps of `worker` contained in the older of the two newest checkpoints (-1: no checkpointing).
-        Keeping pushes back to the older one lets a restart survive one corrupt newest checkpoint."""
-        if not self.checkpointing:
-            return -1
-        if not self.durable_hist:
-            return 0
-        return self.durable_hist[0].get(worker, 0)
-
-    def touch(self, worker: int) -> None:
-        if self.job is not None and 0 <= worker < self.job.world_size:
-            self.last_seen[worker] = time.monotonic()
-
-    def evict(self, worker: int, reason: str = "") -> bool:
-        """Remove `worker` from the live set: bsp steps waiting only on it complete with the workers who
-        pushed (mean over them), ssp/asp clocks stop waiting for it, barriers stop counting it."""
-        with self.lock:
-            if worker not in self.live:
-                return False
-            with self._all_keys_locked():
-                self.live.discard(worker)
-                for ks in self.keys.values():
-                    if not ks.initialized:
-                        continue
-                    if self.job.sync.kind == "bsp":
-                        self._maybe_complete_step(ks)
-                    elif self.live:
-                        version = min(ks.pushed.get(w, 0) for w in self.live)
-                        if version > ks.version:
-                            ks.version = version
-                            self._publish(ks)
-                    ks.cond.notify_all()
-            self.counters["evictions"] += 1
-        log.warning("shard %d: evicted worker %d (%s); live workers now %s", self.shard_id, worker, reason,
-                    sorted(self.live))
-        with self._barrier_cond:
-            for b in self._barriers.values():
-                if b["arrived"] and self.live <= b["arrived"]:
-                    b["gen"] += 1
-                    b["arrived"] = set()
-            self._barrier_cond.notify_all()
-        return True
-
-    def evict_silent(self) -> list[int]:
-        """Evict every live worker silent (no RPC, no waiting RPC) for longer than worker_timeout_s."""
-        if self.worker_timeout_s <= 0 or self.job is None:
-            return []
-        now = time.monotonic()
-        gone = [w for w in sorted(self.live) if now - self.last_seen.get(w, now) > self.worker_timeout_s]
-        return [w for w in gone
-                if self.evict(w, f"silent for {now - self.last_seen.get(w, now):.1f}s > --worker-timeout "
-                                 f"{self.worker_timeout_s:g}s")]
-
-    def start_reaper(self) -> None:
-        """Background thread running evict_silent() (no-op without a worker timeout)."""
-        if self.worker_timeout_s <= 0 or self._reaper is not None:
-            return
-        tick = max(0.05, min(0.5, self.worker_timeout_s / 5))
-
-        def loop():
-            while True:
-                time.sleep(tick)
-                try:
-                    self.evict_silent()
-                except Exception:  # noqa: BLE001 - the reaper must never die
-                    log.exception("eviction check failed")
-        self._reaper = threading.Thread(target=loop, name=f"shard{self.shard_id}-reaper", daemon=True)
-        self._reaper.start()
-
-    def _check_same_job(self, worker, world_size, mode, opt, digest, pull_codec="auto") -> None:
-        job = self.job
-        for what, mine, theirs in (("world size", job.world_size, world_size), ("sync mode", str(job.sync), str(mode)),
-                                   ("optimizer", job.optimizer, opt), ("key layout digest", job.digest, digest),
-                                   ("pull codec", job.pull_codec, pull_codec or "auto")):
-            if mine != theirs:
-                raise ShardError("FAILED_PRECONDITION",
-                                 f"worker {worker} disagrees with the running job on {what}: job has {mine}, worker sent {theirs}")
 
     def _require_job(self) -> Job:
         if self.job is None:
@@ -448,6 +320,40 @@ class Shard:
                             ks.view.codec = PullView(pull_spec, ks.value[:0]).codec
                 self.pull_spec = pull_spec
             return self.codec, self.codec_epoch
+
+    # ---- state (checkpoints: ps/durability.py) --------------------------------------------------
+    def state_dict(self) -> dict:
+        """A consistent copy of everything needed to resume exactly here: taken with the shard lock and
+        every key lock held (sorted key order), so no push is half in it; tensors are cloned."""
+        with self.lock, self._all_keys_locked():
+            return {
+                "shard_id": self.shard_id, "num_shards": self.num_shards,
+                "job": None if self.job is None else self.job.state_dict(),
+                "codec": self.codec, "codec_epoch": self.codec_epoch, "pull_spec": self.pull_spec,
+                "live": sorted(self.live), "keys": {name: ks.state_dict() for name, ks in self.keys.items()},
+                "counters": {k: int(v) for k, v in self.counters.items()},
+                "staleness": {int(k): int(v) for k, v in self.staleness.items()},
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load state_dict() output into this shard (same shard id and count); it keeps its new server_id
+        and gives every live worker a full --worker-timeout to come back."""
+        if (state["shard_id"], state["num_shards"]) != (self.shard_id, self.num_shards):
+            raise ValueError(f"checkpoint is of shard {state['shard_id']}/{state['num_shards']}, "
+                             f"this server is {self.shard_id}/{self.num_shards}")
+        with self.lock:
+            self.job = None if state["job"] is None else Job.from_state_dict(state["job"])
+            self.codec, self.codec_epoch = state["codec"], state["codec_epoch"]
+            self.pull_spec = state.get("pull_spec", "none")
+            opt = self.job.optimizer if self.job is not None else None
+            self.keys = {name: KeyState.from_state_dict(k, opt, self.pull_spec) for name, k in state["keys"].items()}
+            self.live = set(state["live"])
+            self.counters.clear()
+            self.counters.update(state["counters"])
+            self.staleness.clear()
+            self.staleness.update(state["staleness"])
+            now = time.monotonic()
+            self.last_seen = {w: now for w in self.live}
 
     def stats(self) -> dict:
         versions = [ks.version for ks in self.keys.values()] or [0]

@@ -12,7 +12,15 @@ import torch
 
 from compression.base import Payload, dtype_name
 from deltaps.errors import PSError, call
-from deltaps.layout import DEFAULT_CHUNK_BYTES, Key, build_layout, layout_digest
+from deltaps.layout import (
+    DEFAULT_CHUNK_BYTES,
+    Key,
+    build_layout,
+    check_message_limits,
+    fused_message_bytes,
+    layout_digest,
+    message_batches,
+)
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.pull_codec import DELTA, FULL
 from deltaps.sync import parse_sync
@@ -47,8 +55,7 @@ class PSClient:
                  reconnect_deadline_s: float = 60.0, replay_steps: int = 256):
         if not servers:
             raise ValueError("at least one server address is needed")
-        if chunk_bytes * 2 > max_message_bytes:
-            raise ValueError(f"chunk_bytes {chunk_bytes} too large for max message {max_message_bytes}")
+        check_message_limits(chunk_bytes, max_message_bytes)
         self.servers = list(servers)
         self.worker_id, self.world_size = worker_id, world_size
         self.sync = parse_sync(sync)
@@ -59,7 +66,7 @@ class PSClient:
         self.compressor = compressor or Compressor(codec)
         self.chunk_bytes = chunk_bytes
         # raw data per PushPull message: its request and its answer (even a full-value one) stay below the limit
-        self.fused_bytes = max(chunk_bytes, min(2 * chunk_bytes, max_message_bytes - (1 << 20)))
+        self.fused_bytes = fused_message_bytes(chunk_bytes, max_message_bytes)
         self.timeout_s = timeout_s
         # security: a deltaps.security.Security (token, TLS); None = token from $DELTAPS_TOKEN if set, plaintext
         from deltaps.security import Security
@@ -118,7 +125,7 @@ class PSClient:
         return self.pull(min_version=0)
 
     def _init_shard(self, shard: int, values: dict[str, torch.Tensor]) -> None:
-        for batch in self._batches([k for k in self.layout if k.shard == shard]):
+        for batch in message_batches([k for k in self.layout if k.shard == shard], self.chunk_bytes):
             chunks = [chunk_from_tensor(k.key, self._slice(values[k.param], k)) for k in batch]
             req = pb.InitRequest(worker_id=self.worker_id, values=chunks)
             self.sessions[shard].call("Init", lambda req=req: req, self.timeout_s)
@@ -126,21 +133,6 @@ class PSClient:
     @staticmethod
     def _slice(t: torch.Tensor, k: Key) -> torch.Tensor:
         return t.detach().reshape(-1)[k.offset:k.offset + k.numel]
-
-    def _batches(self, keys: list[Key], limit: int | None = None):
-        """Group keys into requests of at most `limit` (default chunk_bytes) of raw data (a single larger
-        key goes alone)."""
-        limit = limit or self.chunk_bytes
-        batch, size = [], 0
-        for k in keys:
-            nbytes = k.numel * 4
-            if batch and size + nbytes > limit:
-                yield batch
-                batch, size = [], 0
-            batch.append(k)
-            size += nbytes
-        if batch:
-            yield batch
 
     def _by_shard(self, names) -> dict[int, list[Key]]:
         groups = defaultdict(list)
@@ -178,7 +170,7 @@ class PSClient:
 
     def push_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int) -> None:
         """Blocking push of some keys to one shard (split into messages of about chunk_bytes)."""
-        for batch in self._batches(keys):
+        for batch in message_batches(keys, self.chunk_bytes):
             req = pb.PushRequest()
             raw, wire = self._fill_push(req, batch, grads, step)
             t0 = time.perf_counter()
@@ -194,7 +186,7 @@ class PSClient:
         of a model a few chunks large costs about one RPC per shard instead of a push and a pull per
         parameter."""
         waited = 0.0
-        for batch in self._batches(keys, self.fused_bytes):
+        for batch in message_batches(keys, self.fused_bytes):
             req = pb.PushPullRequest()      # the push half is filled in place (no merge copy of its bodies)
             raw, wire = self._fill_push(req.push, batch, grads, step)
             t0 = time.perf_counter()
@@ -221,7 +213,7 @@ class PSClient:
         delta=True: `out` is this client's persistent copy of the shared view; the server sends only
         compressed deltas (or nothing) for keys it already holds (see ps/pull_codec.py)."""
         waited = 0.0
-        for batch in self._batches(keys):
+        for batch in message_batches(keys, self.chunk_bytes):
             t0 = time.perf_counter()
             rep = self.sessions[shard].call("Pull", lambda batch=batch: self._pull_request(batch, min_version, delta),
                                             self.timeout_s + 10)

@@ -13,24 +13,9 @@ from concurrent.futures import Future
 
 import torch
 
+from deltaps.layout import DEFAULT_BUCKET_BYTES, make_buckets
 from deltaps.optimizer_config import OptimizerConfig
 from worker.client import PSClient
-
-DEFAULT_BUCKET_BYTES = 25 << 20     # as DDP's bucket_cap_mb default
-
-
-def make_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[str]]:
-    """Parameter names grouped in backward order (reverse of registration) into buckets of about
-    bucket_bytes of fp32 gradient (a larger parameter is a bucket of its own); 0 = one per parameter."""
-    buckets, size = [[]], 0
-    for name, p in reversed(named):
-        nbytes = p.numel() * 4
-        if buckets[-1] and (bucket_bytes <= 0 or size + nbytes > bucket_bytes):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(name)
-        size += nbytes
-    return [b for b in buckets if b]
 
 
 class DistributedOptimizer:
@@ -54,7 +39,7 @@ class DistributedOptimizer:
         self._staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named}
         # Fusion (DDP buckets / Horovod tensor fusion): a bucket goes out once all its gradients exist,
         # as one PushPull RPC per shard it touches (split only past the client's fused_bytes).
-        self.buckets = make_buckets(self.named, bucket_bytes)
+        self.buckets = make_buckets([(n, p.numel() * 4) for n, p in self.named], bucket_bytes)
         self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
         self._ready: dict[int, dict[str, torch.Tensor]] = {}   # bucket -> gradients produced so far
         self._pending: dict[int, list[Future]] = {}            # bucket -> its PushPull futures

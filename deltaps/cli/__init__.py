@@ -11,6 +11,7 @@ import sys
 from deltaps.config import WORKER_EXCLUDED, add_train_args, config_from_args
 from deltaps.exporter import add_metrics_args
 from deltaps.security import add_security_args
+from deltaps.units import parse_bytes
 
 
 def _servers(value: str) -> list[str]:
@@ -86,17 +87,6 @@ def resolve_worker_env(args) -> None:
         args.world_size = _env_int("WORLD_SIZE")
 
 
-def _parse_bytes(value: str) -> int:
-    """'64MiB', '1.5GiB', '100MB', '4096' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", str(value), re.I)
-    if not m:
-        raise ValueError(f"bad byte size {value!r} (want e.g. 64MiB)")
-    unit = m.group(2).upper().rstrip("B")
-    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-            "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}[unit]
-    return int(float(m.group(1)) * mult)
-
-
 def cmd_server(args) -> int:
     from ps.server import serve_forever
     from ps.shard import Shard
@@ -111,7 +101,7 @@ def cmd_server(args) -> int:
     checkpointer = _durability(args, shard)
     if args.embedding_memory_cap:   # row-sparse embedding tables (ps/embedding.py)
         from ps.embedding import attach
-        attach(shard, _parse_bytes(args.embedding_memory_cap))
+        attach(shard, parse_bytes(args.embedding_memory_cap))
     metrics = None
     if args.metrics_port is not None:
         from deltaps.exporter import maybe_start_exporter

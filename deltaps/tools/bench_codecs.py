@@ -17,17 +17,10 @@ import numpy as np
 import torch
 
 from compression.base import available_codecs, get_codec
+from deltaps.units import argparse_type, parse_bytes
 
 DEFAULT_SPECS = ["none", "fp16", "bf16", "int8", "qsgd:levels=16", "sign", "topk:ratio=0.01",
                  "randk:ratio=0.01", "dgc:ratio=0.001"]
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*", text, re.I)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 64MiB)")
-    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -97,7 +90,7 @@ def format_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="deltaps bench codecs", description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=parse_size, default=parse_size("64MiB"))
+    ap.add_argument("--size", type=argparse_type(parse_bytes, "byte size"), default=64 << 20)
     ap.add_argument("--codecs", default=",".join(DEFAULT_SPECS),
                     help=f"';'- or ','-separated specs (available: {', '.join(available_codecs())})")
     ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")

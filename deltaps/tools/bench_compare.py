@@ -410,7 +410,7 @@ def compare(args) -> dict:
         print(f"logs: {tmp}")
     ar = report["modes"].get("allreduce")
     if ar and "error" not in ar:
-        for spec, m in report["modes"].items():
+        for m in report["modes"].values():
             if "error" in m:
                 continue
             m["speedup_vs_allreduce"] = ar["median_step_s"] / m["median_step_s"] if m["median_step_s"] else math.nan

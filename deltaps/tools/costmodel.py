@@ -45,7 +45,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from deltaps.layout import build_layout, shard_loads
+from deltaps.layout import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    build_layout,
+    fused_message_bytes,
+    make_buckets,
+    message_batches,
+    shard_loads,
+)
+from deltaps.pull_codec import resolve_pull_codec
 
 
 # ---- calibration & job ----------------------------------------------------------------------------------
@@ -178,15 +187,15 @@ class Job:
     tensors: list                 # [(name, numel)] in model order (backward produces them in reverse)
     workers: int
     shards: int = 2
-    chunk_bytes: int = 4 << 20
-    bucket_cap_bytes: int = 25 << 20     # DDP buckets (allreduce) and deltaps' --bucket-bytes (PS)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    bucket_cap_bytes: int = DEFAULT_BUCKET_BYTES    # DDP buckets (allreduce) and deltaps' --bucket-bytes (PS)
     max_message_bytes: int = 64 << 20
     host_cores: int | None = None     # all processes share this many cores (None: one device each)
 
     @property
     def fused_bytes(self) -> int:
-        """Raw bytes per PushPull message (worker.client.PSClient.fused_bytes)."""
-        return max(self.chunk_bytes, min(2 * self.chunk_bytes, self.max_message_bytes - (1 << 20)))
+        """Raw bytes per PushPull message, as the client sizes them."""
+        return fused_message_bytes(self.chunk_bytes, self.max_message_bytes)
 
     @property
     def grad_bytes(self) -> int:
@@ -198,21 +207,13 @@ def canonical(spec: str) -> str:
 
 
 def pull_codec_for(push: str) -> str:
-    """`--pull-codec auto` (ps/pull_codec.py): exact for none, casts stay casts, else int8."""
-    name = canonical(push).split(":")[0]
-    return {"none": "none", "fp16": "fp16", "bf16": "bf16"}.get(name, "int8")
+    """The pull codec `--pull-codec auto` puts in force for this push codec (deltaps.pull_codec's rule)."""
+    return resolve_pull_codec("auto", canonical(push))
 
 
 def buckets(tensors: list, bucket_bytes: int) -> list[list[str]]:
-    """worker.optimizer.make_buckets on (name, numel) pairs: backward order, ~bucket_bytes each."""
-    out, size = [[]], 0
-    for name, numel in reversed(tensors):
-        if out[-1] and (bucket_bytes <= 0 or size + 4 * numel > bucket_bytes):
-            out.append([])
-            size = 0
-        out[-1].append(name)
-        size += 4 * numel
-    return [b for b in out if b]
+    """The runtime's buckets (deltaps.layout.make_buckets) for (name, numel) fp32 tensors."""
+    return make_buckets([(name, 4 * numel) for name, numel in tensors], bucket_bytes)
 
 
 def last_bucket_bytes(tensors: list, bucket_bytes: int) -> int:
@@ -235,13 +236,7 @@ def fused_rpcs(tensors: list, layout: list, shards: int, bucket_bytes: int, fuse
             for k in by_param.get(name, []):
                 per_shard.setdefault(k.shard, []).append(k)
         for j, keys in per_shard.items():
-            size, msgs = 0, 0
-            for k in keys:
-                if msgs and size + 4 * k.numel <= fused_bytes:
-                    size += 4 * k.numel
-                else:
-                    msgs, size = msgs + 1, 4 * k.numel
-            out[j] += msgs
+            out[j] += sum(1 for _ in message_batches(keys, fused_bytes))
     return out
 
 
@@ -391,7 +386,7 @@ def mlp_tensors(hidden: int, layers: int, in_features: int = 64, classes: int = 
     return out
 
 
-def layout_keys(tensors: list, shards: int, chunk_bytes: int = 4 << 20) -> int:
+def layout_keys(tensors: list, shards: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return len(build_layout([(n, k, "float32") for n, k in tensors], shards, chunk_bytes))
 
 

@@ -30,30 +30,10 @@ import subprocess
 import sys
 import time
 
+from deltaps.units import parse_rate, parse_time_ms
+
 PREFIX = "dpsb"
 SUBNET = "198.18.0"
-
-_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-          "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
-
-
-def parse_rate(rate: str) -> float:
-    """tc rate syntax ('1gbit', '50mbit', '10mbps' = megabytes/s) -> bits per second."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(rate))
-    if not m:
-        raise ValueError(f"bad rate {rate!r} (want e.g. 1gbit, 100mbit)")
-    unit = (m.group(2) or "bit").lower()
-    if unit not in _UNITS:
-        raise ValueError(f"bad rate unit {unit!r} in {rate!r}; use one of {', '.join(_UNITS)}")
-    return float(m.group(1)) * _UNITS[unit]
-
-
-def parse_time_ms(t: str) -> float:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)?\s*", str(t))
-    if not m:
-        raise ValueError(f"bad latency {t!r} (want e.g. 1ms, 500us)")
-    return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3, None: 1.0}[m.group(2)]
-
 
 def shaping_available() -> tuple[bool, str]:
     """(ok, reason): can this process build namespaces and shape links?"""

@@ -35,5 +35,3 @@ def test_config_and_mode_specs():
         load_config(None, {"mode": "hybrid"})
     with pytest.raises(ValueError, match="embedding optimizer"):
         load_config(None, {"mode": "hybrid", "workload": "ctr", "embedding_optimizer": "lion"})
-    from deltaps.cli import _parse_bytes
-    assert _parse_bytes("64MiB") == 64 << 20 and _parse_bytes("1.5GB") == 1_500_000_000 and _parse_bytes("10") == 10

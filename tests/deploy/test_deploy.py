@@ -187,7 +187,7 @@ def test_dockerfile_entrypoint_and_cmd_match_the_cli(name):
         assert str(args.port) in instr["EXPOSE"][-1].split() and str(args.metrics_port) in instr["EXPOSE"][-1].split()
     assert instr["USER"][-1].split(":")[0] not in ("root", "0")
     assert all(f.startswith("${PYTHON_IMAGE}") for f in instr["FROM"]) and "ARG PYTHON_IMAGE=python:3.11-slim" in text
-    assert "grpc_tools.protoc" in joined and "from protos import deltaps_pb2 as" in joined
+    assert "python -m protos.build" in joined and "COPY deltaps/ deltaps/" in text   # the one protoc recipe
     assert "TORCH_VERSION=2.13.0" in text
     if name == "Dockerfile":
         assert "download.pytorch.org/whl/cpu" in text

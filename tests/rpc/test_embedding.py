@@ -10,7 +10,8 @@ from conftest import run_threads
 from torch import nn
 
 from deltaps.errors import PSError
-from ps.embedding import EmbeddingStore, TableSpec, attach, dense_init, hash_uniform, init_rows
+from deltaps.embedding import TableSpec, dense_init, hash_uniform, init_rows
+from ps.embedding import EmbeddingStore, attach
 from worker.embedding import EmbeddingClient, PSEmbedding, replace_embeddings, select_ps_modules
 
 

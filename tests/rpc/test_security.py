@@ -238,10 +238,10 @@ def test_token_sources_and_validation(tmp_path, monkeypatch, caplog):
 
 
 def test_cli_has_no_token_value_flag():
-    from test_cli_docs import _walk
+    from helpers import walk_flags
 
     from deltaps.cli import build_parser
-    flags = {o for _, o in _walk(build_parser())}
+    flags = {o for _, o in walk_flags(build_parser())}
     assert "--token-file" in flags
     assert not {f for f in flags if "token" in f} - {"--token-file"}
 

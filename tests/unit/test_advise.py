@@ -281,7 +281,7 @@ def test_probes_measure_real_processes(tmp_path):
 
 
 def test_committed_validation_grid_stays_within_25_percent(tmp_path, capsys):
-    """The README's predicted-vs-measured table: the model run on the committed measurements."""
+    """docs/advise.md's predicted-vs-measured table: the model run on the committed measurements."""
     import os
     import shutil
     src = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "advise-validation")
@@ -292,8 +292,8 @@ def test_committed_validation_grid_stays_within_25_percent(tmp_path, capsys):
     assert advise.main(["validate", "--dir", str(tmp_path / "grid"), "--tolerance", "0.05"]) == 1
 
 
-def test_readme_flip_on_the_committed_measured_profile(capsys):
-    """The README's flip: one measured profile, 64 GPUs, 1M steps: int8 on 100mbit, allreduce on 25gbit."""
+def test_flip_on_the_committed_measured_profile(capsys):
+    """docs/advise.md's flip: one measured profile, 64 GPUs, 1M steps: int8 on 100mbit, allreduce on 25gbit."""
     import os
     d = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "advise-validation")
     profile = ["--profile", os.path.join(d, "w4_1gbit.profile.json"), "--profile", os.path.join(d, "w4_1gbit.json")]

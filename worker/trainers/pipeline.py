@@ -7,7 +7,7 @@ pipeline replica d = r // S:
     replica 1:  rank S (stage 0) -> ...
     ...
 
-* The digits MLP (worker/model.py make_mlp) is cut into S contiguous stages at Linear boundaries
+* The digits MLP (worker/workloads/mlp.py make_mlp) is cut into S contiguous stages at Linear boundaries
   (split_stages); parameter names keep the full model's names under a stage prefix: `stage1.2.weight`.
 * Within a replica, micro-batches flow forward and backward between stages over torch.distributed
   point-to-point (gloo send/recv on one process group per replica), driven by
@@ -26,7 +26,6 @@ pipeline replica d = r // S:
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from collections import OrderedDict
@@ -35,17 +34,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from deltaps.config import TrainConfig
 from deltaps.optimizer_config import OptimizerConfig
-from worker.trainers.hybrid import with_server_stats
+from worker.trainers.base import RunRecorder, comm_counters, load_params, local_optimizer, make_compressor, save_model
+from worker.trainers.collective import env_rendezvous, init_process_group, server_stats_when_done
 from worker.workloads.digits import load_digits_split, worker_batches
 from worker.workloads.mlp import accuracy, make_mlp, param_count
 
 log = logging.getLogger("deltaps.pipeline")
 
 SCHEDULES = ("gpipe", "1f1b")
+TIMING_METHOD = ("pipeline: compute = schedule (forward/backward incl. p2p and bubbles); "
+                 "comm = PS push + pull of this stage's gradients/parameters; wait = server-side BSP wait")
 
 
 def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
@@ -91,18 +92,24 @@ def make_schedule(kind: str, stage, microbatches: int):
     raise ValueError(f"unknown pipeline schedule {kind!r}; use gpipe or 1f1b")
 
 
+def pipeline_extras(cfg: TrainConfig, stage: int, replica: int, replicas: int, stage_params: int,
+                    stage_modules: list[str], pipeline_s: float) -> dict:
+    """train_pipeline's own result keys (RunResult.extras)."""
+    return {"stage_params": stage_params, "stage": stage, "replica": replica, "pipeline_stages": cfg.pipeline_stages,
+            "replicas": replicas, "microbatches": cfg.microbatches, "pipeline_schedule": cfg.pipeline_schedule,
+            "stage_modules": stage_modules, "pipeline_s": pipeline_s, "timing_method": TIMING_METHOD}
+
+
 def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: int,
                    master_addr: str = "127.0.0.1", master_port: int = 29500, security=None) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     from worker.client import PSClient
-    from worker.trainers.ps import local_optimizer, make_compressor
 
     torch.set_num_threads(1)
     S, M = cfg.pipeline_stages, cfg.microbatches
     s, d, D = grid(rank, world_size, S)
-    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s * 4))
+    init_process_group(cfg, rank, world_size, master_addr, master_port)
     client = None
     try:
         # one gloo group per pipeline replica (every rank must create every group, in the same order)
@@ -124,23 +131,15 @@ def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: 
         client.setup([(n, p.detach()) for n, p in full])
         staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in own}
         staging.update(client.pull(names=own_names, out=staging, delta=True))
-
-        def load():
-            with torch.no_grad():
-                for n, p in own:
-                    p.copy_(staging[n].view_as(p))
-        load()
+        load_params(own, staging)
         stage = PipelineStage(mine, s, S, torch.device("cpu"), group=pp_group)
         schedule = make_schedule(cfg.pipeline_schedule, stage, M)
         batches = worker_batches(x_tr, y_tr, d, D, cfg.batch_size, cfg.seed)
-        step_s, pipe_s, losses = [], [], []
-        timing = {"blocked": 0.0, "wait": 0.0}
+        pipe_s = []
+        run = RunRecorder(cfg, rank, f"worker {rank} (pipeline s{s} r{d})", log)
         dist.barrier()
-        bar = tqdm(range(cfg.steps), desc=f"worker {rank} (pipeline s{s} r{d})", disable=not cfg.progress,
-                   unit="step", dynamic_ncols=True, mininterval=0.5)
-        t_start = time.perf_counter()
-        for step in bar:
-            t0 = time.perf_counter()
+        for step in run.steps():
+            t0 = run.step_start
             xb, yb = next(batches)      # every stage of replica d draws the same batch; only ends use it
             for _, p in own:
                 p.grad = None
@@ -160,54 +159,28 @@ def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: 
             futs = [client.pool.submit(client.pull_keys, sh, ks, client.sync.pull_min_version(step + 1), staging, True)
                     for sh, ks in client._by_shard(own_names).items()]
             waited = max((f.result() for f in futs), default=0.0)
-            load()
+            load_params(own, staging)
             t2 = time.perf_counter()
-            timing["blocked"] += t2 - t1
-            timing["wait"] += min(waited, t2 - before)
+            run.comm(t2 - t1, min(waited, t2 - before))
             pipe_s.append(t1 - t0)
-            step_s.append(t2 - t0)
-            if mb_losses:
-                losses.append(float(torch.stack([l.detach() for l in mb_losses]).mean()))
-            if cfg.log_every and step % cfg.log_every == 0 and losses:
-                log.info("worker %d step %d loss %.4f", rank, step, losses[-1])
-        wall = time.perf_counter() - t_start
-        bar.close()
+            loss = float(torch.stack([l.detach() for l in mb_losses]).mean()) if mb_losses else None
+            run.record(loss, end=t2)
         # the last stage knows the losses: share them with the replica's other stages (rank 0 reports them)
-        lt = torch.tensor(losses if s == S - 1 else [0.0] * cfg.steps, dtype=torch.float64)
+        lt = torch.tensor(run.losses if s == S - 1 else [0.0] * cfg.steps, dtype=torch.float64)
         dist.broadcast(lt, src=d * S + S - 1, group=pp_group)
-        losses = lt.tolist()
+        run.losses = lt.tolist()
         # the whole model, every stage at its final version, from the PS
-        final = client.pull(min_version=client.sync.pull_min_version(cfg.steps))
-        with torch.no_grad():
-            for n, p in full:
-                p.copy_(final[n].view_as(p))
+        load_params(full, client.pull(min_version=client.sync.pull_min_version(cfg.steps)))
         acc = accuracy(model, x_te, y_te)
-        if cfg.save_model and rank == 0:
-            torch.save(model.state_dict(), cfg.save_model)
-        comm = client.stats.snapshot()
-        total = sum(step_s)
-        res = {
-            "rank": rank, "steps": cfg.steps, "wall_s": wall, "mean_step_s": total / max(1, len(step_s)),
-            "median_step_s": sorted(step_s)[len(step_s) // 2] if step_s else 0.0,
-            "compute_s": total - timing["blocked"], "comm_s": timing["blocked"] - timing["wait"],
-            "wait_s": timing["wait"],
-            "bytes_pushed_wire": int(comm.get("bytes_pushed_wire", 0)),
-            "bytes_pushed_raw": int(comm.get("bytes_pushed_raw", 0)),
-            "bytes_pulled_wire": int(comm.get("bytes_pulled_wire", 0)),
-            "push_rpcs": int(comm.get("push_rpcs", 0)), "pull_rpcs": int(comm.get("pull_rpcs", 0)),
-            "push_pull_rpcs": int(comm.get("push_pull_rpcs", 0)),
-            "final_test_accuracy": acc, "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
-            # a replica's samples are counted once, not once per stage, so the launch summary's sum is right
-            "samples_per_s": cfg.steps * cfg.batch_size / wall / S if wall > 0 else 0.0,
-            "model_params": param_count(model), "stage_params": sum(p.numel() for _, p in own), "losses": losses,
-            "codec": cfg.codec, "final_codec": client.codec, "codec_switches": [], "codec_fallbacks": [],
-            "bytes_pushed_wire_steps": [], "stage": s, "replica": d, "pipeline_stages": S, "replicas": D,
-            "microbatches": M, "pipeline_schedule": cfg.pipeline_schedule,
-            "stage_modules": list(mine._modules), "pipeline_s": sum(pipe_s),
-            "timing_method": "pipeline: compute = schedule (forward/backward incl. p2p and bubbles); "
-                             "comm = PS push + pull of this stage's gradients/parameters; wait = server-side BSP wait",
-        }
-        return with_server_stats(res, client, rank)
+        save_model(cfg, rank, model)
+        res = run.result(final_test_accuracy=acc, model_params=param_count(model),
+                         # a replica's samples are counted once, not once per stage, so the launch summary's sum is right
+                         samples=cfg.steps * cfg.batch_size / S,
+                         **comm_counters(client.stats.snapshot()), codec=cfg.codec, final_codec=client.codec,
+                         extras=pipeline_extras(cfg, s, d, D, sum(p.numel() for _, p in own), list(mine._modules),
+                                                sum(pipe_s)))
+        res.server_stats = server_stats_when_done(client, rank)
+        return res.to_dict()
     finally:
         if client is not None:
             client.close()
@@ -216,7 +189,6 @@ def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: 
 
 def run_worker(cfg: TrainConfig, args, security=None) -> dict:
     """`deltaps worker --mode pipeline`: --servers, --rank, --world-size (= S x D), --master-addr/--master-port."""
-    from worker.trainers.allreduce import env_rendezvous
     rank, world, addr, port = env_rendezvous(args.rank, args.world_size, args.master_addr, args.master_port)
     args.rank = rank
     if not args.servers:
@@ -224,7 +196,7 @@ def run_worker(cfg: TrainConfig, args, security=None) -> dict:
     return train_pipeline(cfg, args.servers, rank, world, addr, port, security=security)
 
 
-# ---- reference: the same training in one process (tests/test_pipeline.py) --------------------------------
+# ---- reference: the same training in one process (tests/cluster/test_pipeline.py) --------------------------------
 def reference_sgd(cfg: TrainConfig, replicas: int) -> dict[str, torch.Tensor]:
     """Plain SGD in one process on the same micro-batch sequence: per step, the gradient is the mean over
     the `replicas` x M micro-batches of each micro-batch's mean loss. Returns make_mlp's state_dict."""

@@ -6,7 +6,7 @@ affine permutation so popular ids are spread over the range (and over the shards
 also has `DENSE` standard-normal dense features.
 
 Labels come from a hidden ground-truth model: every id has a hidden `TEACHER_DIM`-dim vector (a hash of
-the id, ps.embedding.hash_uniform, never stored), each field a fixed projection; logit = sum over fields
+the id, deltaps.embedding.hash_uniform, never stored), each field a fixed projection; logit = sum over fields
 of <u_id, w_f> + <x_dense, v> + b, label ~ Bernoulli(sigmoid(logit)). So loss / AUC are meaningful: the
 teacher's own AUC on the test set (`oracle_auc`) is the ceiling, 0.5 is chance. Everything is a pure
 function of (seed, worker rank, step): reruns and every mode see the same data.

@@ -1,0 +1,78 @@
+"""What a shard holds: the job it serves and the state of each key, each with its own state_dict.
+
+state_dict() returns plain types and tensors only (torch.load(weights_only=True) safe); the shard composes
+them into its own state_dict, which ps/durability.py writes as a checkpoint.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from deltaps.layout import Key
+from deltaps.optimizer_config import OptimizerConfig
+from deltaps.sync import SyncMode, parse_sync
+from ps.optimizer import KeyOptimizer
+from ps.pull_views import PullView
+
+
+@dataclass
+class Job:
+    world_size: int
+    sync: SyncMode
+    optimizer: OptimizerConfig
+    digest: str
+    codec: str
+    pull_codec: str = "auto"         # as configured; Shard.pull_spec is the one in force
+
+    def state_dict(self) -> dict:
+        return {"world_size": self.world_size, "sync": str(self.sync), "optimizer": asdict(self.optimizer),
+                "digest": self.digest, "codec": self.codec, "pull_codec": self.pull_codec}
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> "Job":
+        return cls(d["world_size"], parse_sync(d["sync"]), OptimizerConfig(**d["optimizer"]), d["digest"], d["codec"],
+                   d.get("pull_codec", "auto"))
+
+
+@dataclass
+class KeyState:
+    spec: Key
+    value: torch.Tensor
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    initialized: bool = False
+    version: int = 0
+    pushed: dict = field(default_factory=dict)      # worker -> steps pushed (next expected step)
+    agg: torch.Tensor | None = None                  # bsp: sum of this step's gradients
+    agg_from: set = field(default_factory=set)
+    opt: KeyOptimizer | None = None
+    view: PullView | None = None                     # compressed-pull view (None: pulls send values)
+    exact_since: int = -1                            # version at which the last view was dropped
+
+    def state_dict(self) -> dict:
+        """A copy of everything that must survive a restart (the caller holds self.cond)."""
+        s = self.spec
+        return {"spec": [s.key, s.param, s.offset, s.numel, s.dtype, s.shard],
+                "value": self.value.clone(), "initialized": self.initialized, "version": self.version,
+                "pushed": dict(self.pushed), "agg": None if self.agg is None else self.agg.clone(),
+                "agg_from": sorted(self.agg_from),
+                "opt": copy.deepcopy(self.opt.state_dict()) if self.opt is not None else None,
+                "view": self.view.view.clone() if self.view is not None else None, "exact_since": self.exact_since}
+
+    @classmethod
+    def from_state_dict(cls, d: dict, optimizer: OptimizerConfig | None, pull_spec: str) -> "KeyState":
+        ks = cls(Key(*d["spec"]), d["value"].clone().to(torch.float32))
+        ks.initialized, ks.version = d["initialized"], d["version"]
+        ks.pushed = {int(w): int(n) for w, n in d["pushed"].items()}
+        ks.agg = None if d["agg"] is None else d["agg"].clone()
+        ks.agg_from = set(d["agg_from"])
+        if ks.initialized:
+            ks.opt = KeyOptimizer(ks.value, optimizer)
+            if d["opt"] is not None:
+                ks.opt.load_state_dict(d["opt"])
+        if d.get("view") is not None and pull_spec != "none":
+            ks.view = PullView(pull_spec, d["view"])
+        ks.exact_since = d.get("exact_since", -1)
+        return ks

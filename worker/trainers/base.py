@@ -1,0 +1,237 @@
+"""The trainer seam: what every training loop records and reports, and the helpers the loops share.
+
+* `RunRecorder` is the loop skeleton: `for step in run.steps():` drives the progress bar, the wall clock
+  and each step's timer; inside a step the trainer reports time blocked on communication (`run.comm`)
+  and closes the step with `run.record(loss)`.
+* `RunResult` is one rank's report: the per-step records plus the figures every mode reports, with the
+  mode's own figures in `extras`. Derived figures (mean/median step, the compute/comm/wait split,
+  final_train_loss, samples/s) have one rule each, here; `to_dict()` is the JSON a worker writes and
+  deltaps.tools.launch.summarize reads.
+
+Step split (every mode): a step's time = compute + comm + wait, where `blocked` is the time the step was
+blocked on communication, `wait` the part of it spent waiting for peers / the server's BSP gate, comm =
+blocked - wait, compute = step - blocked.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from tqdm import tqdm
+
+from deltaps.config import TrainConfig
+
+FINAL_LOSS_WINDOW = 20     # final_train_loss = mean of the last this-many logged step losses
+
+# Keys every mode's result dict has (to_dict); `server_stats` is added on rank 0 of modes with shards.
+COMMON_KEYS = (
+    "rank", "steps", "wall_s", "mean_step_s", "median_step_s", "compute_s", "comm_s", "wait_s",
+    "bytes_pushed_wire", "bytes_pushed_raw", "bytes_pulled_wire", "push_rpcs", "pull_rpcs", "push_pull_rpcs",
+    "final_test_accuracy", "final_train_loss", "samples_per_s", "model_params", "losses",
+    "codec", "final_codec", "codec_switches", "codec_fallbacks", "bytes_pushed_wire_steps",
+)
+
+
+# ---- shared helpers ----------------------------------------------------------------------------------
+def local_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
+    """The torch optimizer --optimizer/--lr/... describe (run locally, or shipped to the PS as its config)."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def make_compressor(cfg: TrainConfig):
+    from compression import Compressor
+    return Compressor(cfg.codec, min_bytes=cfg.min_compress_bytes, warmup_steps=cfg.compress_warmup_steps)
+
+
+def distributed_optimizer(cfg: TrainConfig, model, servers: list[str], rank: int, world_size: int, security=None):
+    """A DistributedOptimizer over the whole model, configured from cfg (ps mode, ctr ps mode)."""
+    from worker.optimizer import DistributedOptimizer
+    return DistributedOptimizer(local_optimizer(cfg, model.parameters()), model, servers=servers, rank=rank,
+                                world_size=world_size, sync=cfg.sync, codec=cfg.codec, pull_codec=cfg.pull_codec,
+                                compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
+                                max_message_bytes=cfg.max_message_bytes, bucket_bytes=cfg.bucket_bytes,
+                                timeout_s=cfg.timeout_s, security=security,
+                                reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps)
+
+
+def load_params(named, values: dict[str, torch.Tensor]) -> None:
+    """Copy pulled values into the named parameters (for evaluation after training)."""
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(values[n].view_as(p))
+
+
+def adopt_server_params(opt) -> None:
+    """Everyone has pushed everything: take the servers' final parameters into the model."""
+    opt.client.barrier("train-done")
+    load_params(opt.named, opt.client.pull(min_version=0))
+
+
+def save_model(cfg: TrainConfig, rank: int, model) -> None:
+    """--save-model: rank 0 writes the model's state_dict (moved to CPU if it lives on a GPU)."""
+    if cfg.save_model and rank == 0:
+        state = model.state_dict()
+        if any(v.device.type != "cpu" for v in state.values()):
+            state = {k: v.cpu() for k, v in state.items()}
+        torch.save(state, cfg.save_model)
+
+
+def comm_counters(stats: dict) -> dict:
+    """RunResult's byte / RPC fields from a PS client's CommStats snapshot."""
+    return {k: int(stats.get(k, 0)) for k in ("bytes_pushed_wire", "bytes_pushed_raw", "bytes_pulled_wire",
+                                              "push_rpcs", "pull_rpcs", "push_pull_rpcs")}
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    """One rank's run. Per-step records (one entry per completed step; `losses` only where the rank
+    knows the loss) and the figures every mode reports; mode-specific figures go in `extras`."""
+    rank: int
+    steps: int                      # steps of the job (cfg.steps)
+    wall_s: float                   # the training loop's wall time
+    samples: float                  # samples credited to this rank (the samples_per_s numerator)
+    final_test_accuracy: float
+    model_params: int
+    step_times: list[float] = field(default_factory=list)
+    blocked_times: list[float] = field(default_factory=list)   # per step: blocked on communication (comm + wait)
+    wait_times: list[float] = field(default_factory=list)      # per step: of which waiting for peers / the BSP gate
+    losses: list[float] = field(default_factory=list)
+    bytes_pushed_wire_steps: list[int] = field(default_factory=list)
+    bytes_pushed_wire: int = 0
+    bytes_pushed_raw: int = 0
+    bytes_pulled_wire: int = 0
+    push_rpcs: int = 0
+    pull_rpcs: int = 0
+    push_pull_rpcs: int = 0
+    codec: str = "none"
+    final_codec: str = "none"
+    codec_switches: list = field(default_factory=list)
+    codec_fallbacks: list = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
+    server_stats: list | None = None   # rank 0 of modes with shards
+
+    @property
+    def total_step_s(self) -> float:
+        return sum(self.step_times)
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.total_step_s / max(1, len(self.step_times))
+
+    @property
+    def median_step_s(self) -> float:
+        return sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else 0.0
+
+    @property
+    def wait_s(self) -> float:
+        return sum(self.wait_times)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(self.blocked_times) - self.wait_s
+
+    @property
+    def compute_s(self) -> float:
+        return self.total_step_s - sum(self.blocked_times)
+
+    @property
+    def final_train_loss(self) -> float:
+        tail = self.losses[-FINAL_LOSS_WINDOW:]
+        return sum(tail) / max(1, len(tail))
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """The result JSON: COMMON_KEYS, then the extras, then server_stats where there are any."""
+        out = {k: getattr(self, k) for k in COMMON_KEYS}
+        clash = set(out) & set(self.extras)
+        if clash:
+            raise ValueError(f"extras redefine common result keys {sorted(clash)}")
+        out.update(self.extras)
+        if self.server_stats is not None:
+            out["server_stats"] = self.server_stats
+        return out
+
+
+# ---- the loop skeleton ---------------------------------------------------------------------------------
+class RunRecorder:
+    """Feeds a RunResult: `for step in run.steps(): ... run.comm(blocked, wait) ... run.record(loss)`.
+
+    A step's timer starts when `steps()` yields it and stops at `record()` (or at its `end`); steps left by
+    `break` before `record()` are not counted."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, desc: str, log: logging.Logger):
+        self.cfg, self.rank, self.desc, self.log = cfg, rank, desc, log
+        self.step_times: list[float] = []
+        self.blocked_times: list[float] = []
+        self.wait_times: list[float] = []
+        self.losses: list[float] = []
+        self.wire_steps: list[int] = []
+        self.wall_s = 0.0
+        self._bar = None
+        self._step, self._t0, self._blocked, self._wait = 0, 0.0, 0.0, 0.0
+
+    def steps(self, first: int = 0) -> Iterator[int]:
+        """Steps first .. cfg.steps - 1 under a progress bar; wall_s covers the whole loop."""
+        self._bar = tqdm(range(first, self.cfg.steps), desc=self.desc, disable=not self.cfg.progress, unit="step",
+                         dynamic_ncols=True, mininterval=0.5)
+        try:
+            t_start = time.perf_counter()
+            for step in self._bar:
+                self._step, self._blocked, self._wait = step, 0.0, 0.0
+                self._t0 = time.perf_counter()
+                yield step
+            self.wall_s = time.perf_counter() - t_start
+        finally:
+            self._bar.close()
+
+    @property
+    def step_start(self) -> float:
+        """perf_counter() when the current step began."""
+        return self._t0
+
+    def comm(self, blocked_s: float, wait_s: float = 0.0) -> None:
+        """This step was blocked on communication for blocked_s, wait_s of it waiting for peers / the server."""
+        self._blocked += blocked_s
+        self._wait += wait_s
+
+    def comm_since(self, timing: dict, before: dict) -> None:
+        """A DistributedOptimizer's `timing` went from `before` (a copy) to `timing` during this step."""
+        self.comm(timing["blocked_s"] - before["blocked_s"], timing["wait_s"] - before["wait_s"])
+
+    def record(self, loss: float | None = None, wire_bytes: int | None = None, end: float | None = None) -> float:
+        """Close the current step (its time ends now, or at perf_counter value `end`); returns its seconds.
+        loss: None where this rank does not know it; wire_bytes: bytes pushed this step, where counted per step."""
+        step_s = (time.perf_counter() if end is None else end) - self._t0
+        self.step_times.append(step_s)
+        self.blocked_times.append(self._blocked)
+        self.wait_times.append(self._wait)
+        if wire_bytes is not None:
+            self.wire_steps.append(wire_bytes)
+        if loss is not None:
+            self.losses.append(loss)
+            if self._step % 10 == 0:
+                self._bar.set_postfix(loss=f"{loss:.3f}")
+            if self.cfg.log_every and self._step % self.cfg.log_every == 0:
+                self.log.info("worker %d step %d loss %.4f", self.rank, self._step, loss)
+        return step_s
+
+    def result(self, *, final_test_accuracy: float, model_params: int, samples: float | None = None,
+               **fields) -> RunResult:
+        """The RunResult of this run; samples defaults to cfg.steps x cfg.batch_size; fields: RunResult's
+        byte / codec fields and `extras`."""
+        cfg = self.cfg
+        return RunResult(rank=self.rank, steps=cfg.steps, wall_s=self.wall_s,
+                         samples=cfg.steps * cfg.batch_size if samples is None else samples,
+                         final_test_accuracy=final_test_accuracy, model_params=model_params,
+                         step_times=list(self.step_times), blocked_times=list(self.blocked_times),
+                         wait_times=list(self.wait_times), losses=list(self.losses),
+                         bytes_pushed_wire_steps=list(self.wire_steps), **fields)

@@ -1,0 +1,86 @@
+"""torch.distributed plumbing shared by the trainers that run a process group (allreduce, hybrid, pipeline):
+rendezvous, process-group start, the timed DDP allreduce hook, the ring byte model, the server_stats barrier.
+
+Timing with the hook: a DDP communication hook timestamps each gradient bucket when autograd hands it over
+(`AllreduceHookState.last_ready`); backward() returns only after every bucket's allreduce finished, so
+`exposed_comm_s` (backward return - last ready, clipped to the backward call) is the time a rank was
+blocked on the allreduce rather than computing (worker/trainers/allreduce.py describes the full split).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def ring_bytes(grad_bytes: int, world_size: int) -> int:
+    """Bytes each rank sends (and receives) in a ring allreduce of grad_bytes."""
+    return int(2 * (world_size - 1) * grad_bytes // world_size) if world_size > 1 else 0
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    return backend
+
+
+def env_rendezvous(rank: int | None, world_size: int | None, master_addr: str | None,
+                   master_port: int | None) -> tuple[int, int, str, int]:
+    """Flags win; otherwise torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT."""
+    rank = rank if rank is not None else int(os.environ.get("RANK", "-1"))
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "-1"))
+    master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    master_port = master_port or int(os.environ.get("MASTER_PORT", "29500"))
+    if rank < 0 or world_size < 1:
+        raise ValueError("allreduce worker needs --rank/--world-size or torchrun's RANK/WORLD_SIZE")
+    return rank, world_size, master_addr, master_port
+
+
+def init_process_group(cfg, rank: int, world_size: int, master_addr: str, master_port: int,
+                       backend: str = "gloo") -> None:
+    """The job's process group over TCP rendezvous; collectives time out after 4 x --timeout-s."""
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s * 4))
+
+
+class AllreduceHookState:
+    """Per-step state of timed_allreduce_hook; reset it (`new_step`) before each forward."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.last_ready = 0.0       # wall clock (time.time) of the latest bucket handed over this step
+        self.bucket_bytes = 0       # gradient bytes allreduced this step
+
+    def new_step(self) -> None:
+        self.last_ready, self.bucket_bytes = 0.0, 0
+
+    def ready_wall(self, bwd_end_wall: float) -> float:
+        """When this rank's own backward compute ended: the last bucket's ready time (no bucket: backward's end)."""
+        return self.last_ready or bwd_end_wall
+
+    def exposed_comm_s(self, bwd_end_wall: float, limit_s: float) -> float:
+        """Time backward() spent blocked on the allreduce: its return (wall clock) - the last bucket's ready
+        time, clipped to [0, limit_s] (the caller's timed span around backward)."""
+        return max(0.0, min(bwd_end_wall - self.ready_wall(bwd_end_wall), limit_s))
+
+
+def timed_allreduce_hook(state: AllreduceHookState, bucket):
+    """Same as DDP's default allreduce hook (average), plus a ready timestamp and a byte count."""
+    state.last_ready = max(state.last_ready, time.time())
+    buf = bucket.buffer()
+    state.bucket_bytes += buf.numel() * buf.element_size()
+    buf.div_(state.world_size)
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def server_stats_when_done(client, rank: int) -> list | None:
+    """Once every rank is done with the shards, rank 0 reads their counters (None elsewhere); nobody closes
+    before that (a barrier on each side)."""
+    dist.barrier()
+    stats = client.server_stats() if rank == 0 else None
+    dist.barrier()
+    return stats
