@@ -57,10 +57,10 @@ class DistributedOptimizer:
                 raise RuntimeError(f"gradient of {name!r} computed {self._passes[name]} times before step(); "
                                    f"set backward_passes_per_step={self._passes[name]} to accumulate")
             if self._passes[name] == self.backward_passes_per_step:
-                self._start(name, param.grad)
+                self.grad_ready(name, param.grad)
         return hook
 
-    def _start(self, name: str, grad: torch.Tensor) -> None:
+    def grad_ready(self, name: str, grad: torch.Tensor) -> None:
         """Hand this parameter's gradient to its bucket; a complete bucket is pushed (and its next values
         pulled) in the background."""
         # no copy: step() waits for the pushes before autograd can touch p.grad again, and zero_grad
@@ -86,7 +86,7 @@ class DistributedOptimizer:
         for name, p in self.named:       # parameters backward did not reach still take part
             b = self._bucket_of[name]
             if b not in self._pending and name not in self._ready.get(b, {}):
-                self._start(name, p.grad if p.grad is not None else torch.zeros_like(p))
+                self.grad_ready(name, p.grad if p.grad is not None else torch.zeros_like(p))
         t0 = time.perf_counter()
         waited = max((f.result() for fs in self._pending.values() for f in fs), default=0.0)
         blocked = time.perf_counter() - t0

@@ -28,7 +28,7 @@ import yaml
 
 from deltaps.config import load_config
 from deltaps.tools import netns
-from deltaps.tools.launch import _stop, _tail, _wait_port, _wait_workers, free_port, summarize
+from deltaps.tools.launch import free_port, stop_processes, summarize, tail_file, wait_port_file, wait_workers
 
 IN_FEATURES, CLASSES = 64, 10
 
@@ -145,7 +145,7 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
                                           "--num-shards", str(S), "--port-file", os.path.join(d, f"server{i}.port"),
                                           "--wait-timeout", str(args.timeout * 2)],
                     stdout=log, stderr=subprocess.STDOUT))
-            addrs = [f"{net.addr(i)}:{_wait_port(os.path.join(d, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
+            addrs = [f"{net.addr(i)}:{wait_port_file(os.path.join(d, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
             target = ["--servers", ",".join(addrs)]
             if cfg.mode == "hybrid":   # + the gloo rendezvous of the dense part
                 target += ["--master-addr", net.addr(worker_nodes[0]), "--master-port",
@@ -162,15 +162,15 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
                                          "--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"),
                                          "--no-progress"],
                 stdout=log, stderr=subprocess.STDOUT, env=env))
-        failed = _wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 5.0)
+        failed = wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 5.0)
         if failed:
-            logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{_tail(os.path.join(d, f'worker{r}.log'))}"
+            logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(d, f'worker{r}.log'))}"
                              for r, c in failed)
             raise RuntimeError(f"mode {spec}: {len(failed)} worker(s) failed:\n{logs}")
         after = net.counters(worker_nodes)
     finally:
-        _stop(workers)
-        _stop(servers)
+        stop_processes(workers)
+        stop_processes(servers)
     results = [json.load(open(os.path.join(d, f"worker{r}.json"))) for r in range(W)]
     s = summarize(cfg, results, time.perf_counter() - t0)
     shares = []

@@ -1,6 +1,6 @@
 """Alpha-beta cost model of one training step: ring allreduce vs the deltaps parameter server.
 
-Pure functions of a measured `Calibration` (ps/advise.py measures one: `deltaps advise --calibrate`)
+Pure functions of a measured `Calibration` (deltaps/tools/advise measures one: `deltaps advise --calibrate`)
 and a `Job` (model tensors, workers, shards, codecs). No constant here is tuned to a result; every
 speed comes from the calibration.
 

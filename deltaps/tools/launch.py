@@ -14,7 +14,7 @@ import yaml
 from deltaps.config import TrainConfig
 
 
-def _wait_port(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> int:
+def wait_port_file(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> int:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if os.path.exists(path):
@@ -32,7 +32,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -45,7 +45,7 @@ def _stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
-def _tail(path: str, n: int = 30) -> str:
+def tail_file(path: str, n: int = 30) -> str:
     try:
         return "".join(open(path).readlines()[-n:])
     except OSError:
@@ -84,7 +84,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                                                                  os.path.join(tmp, f"server{i}.metrics.port")),
                                                   *security.server.argv("server"), *(server_args or [])],
                                             stdout=log, stderr=subprocess.STDOUT, env=child_env))
-        addrs = [f"{host}:{_wait_port(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
+        addrs = [f"{host}:{wait_port_file(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
         target = (["--servers", ",".join(addrs)] if cfg.mode == "ps"
                   else ["--master-addr", host, "--master-port", str(free_port(host))])
         if cfg.mode in ("hybrid", "pipeline"):   # shards + a gloo rendezvous (dense allreduce / stage p2p)
@@ -105,21 +105,21 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                       *(security.client.argv("client") if cfg.mode in ("ps", "hybrid", "pipeline") else [])],
                 stdout=out, stderr=None if show else subprocess.STDOUT, env=child_env))
         if metrics:
-            metrics_urls = [f"http://{host}:{_wait_port(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
+            metrics_urls = [f"http://{host}:{wait_port_file(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
                             for i, p in enumerate(servers)]
             if cfg.mode == "ps":
-                metrics_urls += [f"http://{host}:{_wait_port(os.path.join(tmp, f'worker{r}.metrics.port'), p)}/metrics"
+                metrics_urls += [f"http://{host}:{wait_port_file(os.path.join(tmp, f'worker{r}.metrics.port'), p)}/metrics"
                                  for r, p in enumerate(workers)]
             if not quiet:
                 print("deltaps launch: metrics at " + " ".join(metrics_urls), flush=True)
-        failed = _wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 2.0)
+        failed = wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 2.0)
         if failed:
-            logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{_tail(os.path.join(tmp, f'worker{r}.log'))}"
+            logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(tmp, f'worker{r}.log'))}"
                              for r, c in failed)
             raise RuntimeError(f"{len(failed)} worker(s) failed:\n{logs}")
     finally:
-        _stop(workers)
-        _stop(servers)
+        stop_processes(workers)
+        stop_processes(servers)
     results = [json.load(open(os.path.join(tmp, f"worker{r}.json"))) for r in range(cfg.workers)]
     summary = summarize(cfg, results, time.perf_counter() - t_launch)
     summary["metrics_urls"] = metrics_urls
@@ -129,7 +129,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     return summary
 
 
-def _wait_workers(workers, timeout: float):
+def wait_workers(workers, timeout: float):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         codes = [p.poll() for p in workers]

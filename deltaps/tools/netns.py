@@ -236,7 +236,7 @@ class Topology:
                 f"addresses {self.subnet}.2-{self.nodes + 1}")
 
 
-_SINK = r"""
+SINK_SCRIPT = r"""
 import socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
@@ -248,7 +248,7 @@ while n < want:
 c.sendall(b"k"); c.close()
 """
 
-_SOURCE = r"""
+SOURCE_SCRIPT = r"""
 import socket, sys, time
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
 buf, want = b"\0" * (1 << 20), int(sys.argv[3]); t0 = time.perf_counter(); n = 0
@@ -260,12 +260,12 @@ c.recv(1); print(time.perf_counter() - t0)
 
 def measure_throughput(topo: Topology, src: int, dst: int, nbytes: int = 8 << 20, port: int = 5201) -> float:
     """Bits per second of one TCP stream from node src to node dst (Python sockets, no iperf needed)."""
-    sink = subprocess.Popen(topo.exec_prefix(dst) + [sys.executable, "-c", _SINK, topo.addr(dst), str(port),
+    sink = subprocess.Popen(topo.exec_prefix(dst) + [sys.executable, "-c", SINK_SCRIPT, topo.addr(dst), str(port),
                                                      str(nbytes)], stdout=subprocess.PIPE, text=True)
     try:
         if sink.stdout.readline().strip() != "ready":
             raise RuntimeError("throughput sink did not start")
-        out = _run(topo.exec_prefix(src) + [sys.executable, "-c", _SOURCE, topo.addr(dst), str(port), str(nbytes)])
+        out = _run(topo.exec_prefix(src) + [sys.executable, "-c", SOURCE_SCRIPT, topo.addr(dst), str(port), str(nbytes)])
         return nbytes * 8 / float(out.stdout.strip())
     finally:
         sink.kill()

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from conftest import run_threads
 from torch import nn
 
-from deltaps.errors import PSError
 from deltaps.embedding import TableSpec, dense_init, hash_uniform, init_rows
+from deltaps.errors import PSError
 from ps.embedding import EmbeddingStore, attach
 from worker.embedding import EmbeddingClient, PSEmbedding, replace_embeddings, select_ps_modules
 

@@ -7,8 +7,8 @@ Same model (make_mlp, same seed), same data shard per rank (worker_batches), sam
 deltaps.tools.launch.summarize works for both.
 
 Step-time split (how it is measured, per step, per rank):
-  * a DDP communication hook (worker/trainers/collective.py) timestamps each gradient bucket when autograd hands it over ("ready");
-    the last bucket's ready time marks the end of this rank's own backward compute;
+  * a DDP communication hook (worker/trainers/collective.py) timestamps each gradient bucket when autograd
+    hands it over ("ready"); the last bucket's ready time marks the end of this rank's own backward compute;
   * backward() returns only after every bucket's allreduce finished; the time from the last ready
     timestamp to that return is time blocked on communication ("exposed", i.e. not overlapped);
   * after training the per-step last-ready timestamps (wall clock, shared by processes on one host)

@@ -71,6 +71,14 @@ def ctr_extras(ev: dict, **mode_extras) -> dict:
             "oracle_loss": ev["oracle_loss"], "workload": "ctr", **mode_extras}
 
 
+def hybrid_extras(ps_modules: list[str], sparse_stats: dict, dense_ring_bytes: int) -> dict:
+    """train_hybrid's own keys (beside ctr_extras): the sparse (PS) and dense (ring) traffic apart."""
+    return {"ps_modules": ps_modules, "sparse_bytes_pushed": int(sparse_stats.get("bytes_pushed_wire", 0)),
+            "sparse_bytes_pulled": int(sparse_stats.get("bytes_pulled_wire", 0)),
+            "dense_ring_bytes": int(dense_ring_bytes), "rows_pushed": int(sparse_stats.get("rows_pushed", 0)),
+            "timing_method": HYBRID_TIMING_METHOD}
+
+
 def _result(cfg, run: RunRecorder, ev, params, sent, pulled, extra) -> RunResult:
     return run.result(final_test_accuracy=ev["test_accuracy"], model_params=params, bytes_pushed_wire=int(sent),
                       bytes_pushed_raw=int(sent), bytes_pulled_wire=int(pulled), codec=cfg.codec,
@@ -214,10 +222,7 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
         c = client.stats.snapshot()
         sparse_sent, sparse_pulled = c.get("bytes_pushed_wire", 0), c.get("bytes_pulled_wire", 0)
         res = _result(cfg, run, ev, _logical_params(cfg, model), sparse_sent + ring["bytes"],
-                      sparse_pulled + ring["bytes"],
-                      {"ps_modules": names, "sparse_bytes_pushed": int(sparse_sent),
-                       "sparse_bytes_pulled": int(sparse_pulled), "dense_ring_bytes": int(ring["bytes"]),
-                       "rows_pushed": int(c.get("rows_pushed", 0)), "timing_method": HYBRID_TIMING_METHOD})
+                      sparse_pulled + ring["bytes"], hybrid_extras(names, c, ring["bytes"]))
         res.server_stats = server_stats_when_done(client, rank)
         return res.to_dict()
     finally:

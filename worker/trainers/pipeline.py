@@ -163,7 +163,7 @@ def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: 
             t2 = time.perf_counter()
             run.comm(t2 - t1, min(waited, t2 - before))
             pipe_s.append(t1 - t0)
-            loss = float(torch.stack([l.detach() for l in mb_losses]).mean()) if mb_losses else None
+            loss = float(torch.stack([x.detach() for x in mb_losses]).mean()) if mb_losses else None
             run.record(loss, end=t2)
         # the last stage knows the losses: share them with the replica's other stages (rank 0 reports them)
         lt = torch.tensor(run.losses if s == S - 1 else [0.0] * cfg.steps, dtype=torch.float64)

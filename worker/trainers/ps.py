@@ -107,7 +107,7 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
         run.comm_since(opt.timing, timing0)
         step_s = run.record(loss.item(), wire_bytes=opt.client.stats.snapshot().get("bytes_pushed_wire", 0) - wire0)
         if metrics is not None:
-            metrics.on_step(step_s, run.losses[-1], len(yb))
+            metrics.on_step(step_s, loss.item(), len(yb))
     if stopping.is_set():   # SIGTERM: leave without the end-of-job barriers; the shards evict us
         log.warning("worker %d: SIGTERM at step %d; closing channels and exiting", rank, opt.clock)
         opt.close()

