@@ -174,13 +174,19 @@ def _load_builtin() -> None:
                 raise
 
 
-def get_codec(spec: str) -> Codec:
-    """Build a codec from a spec string; unknown names or parameters raise CodecError."""
+def codec_factory(name: str) -> Callable[..., Codec]:
+    """The registered factory of a codec name; an unknown name raises CodecError listing the known ones."""
     _load_builtin()
-    name, params = parse_spec(spec)
-    factory = _REGISTRY.get(name)
+    factory = _REGISTRY.get(name) if isinstance(name, str) else None
     if factory is None:
         raise CodecError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return factory
+
+
+def get_codec(spec: str) -> Codec:
+    """Build a codec from a spec string; unknown names or parameters raise CodecError."""
+    name, params = parse_spec(spec)
+    factory = codec_factory(name)
     try:
         return factory(**params)
     except TypeError as e:

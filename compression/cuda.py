@@ -149,7 +149,7 @@ def to_fp16(x: torch.Tensor) -> torch.Tensor:
 
 def random_subset(n: int, k: int, seed: int, device) -> torch.Tensor:
     cp = _cupy()
-    h, mask = rng._feistel_params(n)
+    h, mask = rng.feistel_params(n)
     keys = cp.asarray(np.array([rng.seed32(seed, r + 1) for r in range(rng.FEISTEL_ROUNDS)], dtype=np.uint64))
     out = _kernels()["feistel"](cp.arange(k, dtype=cp.int64), np.int64(n), np.int32(h), np.uint64(mask), keys)
     return to_torch(cp.sort(out))

@@ -41,7 +41,7 @@ def uniform(start: int, count: int, key: int, device="cpu") -> torch.Tensor:
     return (x >> 8).to(torch.float32).mul_(2.0 ** -24)
 
 
-def _feistel_params(n: int) -> tuple[int, int]:
+def feistel_params(n: int) -> tuple[int, int]:
     bits = max(2, (n - 1).bit_length())
     bits += bits & 1
     return bits // 2, (1 << (bits // 2)) - 1
@@ -49,7 +49,7 @@ def _feistel_params(n: int) -> tuple[int, int]:
 
 def feistel(x: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     """A seeded bijection on [0, 4**h) >= [0, n) (balanced Feistel network, int64 in [0, 2**32))."""
-    h, mask = _feistel_params(n)
+    h, mask = feistel_params(n)
     left, right = x >> h, x & mask
     for r in range(FEISTEL_ROUNDS):
         f = hash32_((right ^ seed32(seed, r + 1)).bitwise_and_(M32)).bitwise_and_(mask)

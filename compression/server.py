@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from compression.base import _REGISTRY, Codec, CodecError, Payload, _load_builtin
+from compression.base import Codec, CodecError, Payload, codec_factory
 from compression.wire import check_payload
 
 _CORRUPT = (RuntimeError, ValueError, TypeError, IndexError, KeyError, OverflowError)
@@ -14,11 +14,7 @@ _CORRUPT = (RuntimeError, ValueError, TypeError, IndexError, KeyError, OverflowE
 @functools.cache
 def decoder(name: str) -> Codec:
     """A default-constructed codec used only for decoding (decoders read parameters from headers)."""
-    _load_builtin()
-    factory = _REGISTRY.get(name) if isinstance(name, str) else None
-    if factory is None:
-        raise CodecError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return factory()
+    return codec_factory(name)()
 
 
 def _checked(payload: Payload) -> Codec:

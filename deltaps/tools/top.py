@@ -5,7 +5,8 @@
 
 Rates (pushes/s, MB/s, samples/s) come from the difference of two scrapes; comm share is the fraction
 of step time a worker spent blocked on communication over that window (cumulative when there is only one
-scrape). "comm share" = transfers + waiting on the servers (the COMM and WAIT columns). Endpoints are told apart by the metrics they expose (deltaps_server_* vs deltaps_worker_*).
+scrape). "comm share" = transfers + waiting on the servers (the COMM and WAIT columns). Endpoints are told apart by
+the metrics they expose (deltaps_server_* vs deltaps_worker_*).
 """
 from __future__ import annotations
 

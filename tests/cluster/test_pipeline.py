@@ -35,7 +35,7 @@ def test_pipeline_matches_single_process_sgd(tmp_path, stages, replicas, schedul
     w = summary["per_worker"]
     assert [(r["stage"], r["replica"]) for r in w] == [(r % stages, r // stages) for r in range(stages * replicas)]
     assert all(r["pipeline_schedule"] == schedule and r["microbatches"] == 4 for r in w)
-    assert len(summary["loss_curve_rank0"]) == cfg.steps and all(l > 0 for l in summary["loss_curve_rank0"])
+    assert len(summary["loss_curve_rank0"]) == cfg.steps and all(loss > 0 for loss in summary["loss_curve_rank0"])
     # each stage's keys advanced once per step on the shards (BSP over the D replicas of that stage)
     stats = summary["server_stats"]
     assert all(s["min_version"] == s["max_version"] == cfg.steps for s in stats)

@@ -188,7 +188,8 @@ def test_dgc_momentum_masking_and_warmup():
     assert torch.equal(v[idx], torch.zeros(len(idx))) and torch.equal(v + sent, x)
     p2 = c.compress(x, key="w")
     # u masked where sent: u2 = 0.5*u1*(1-mask) + x ; v2 = v1 + u2
-    u1 = x.clone(); u1[idx] = 0
+    u1 = x.clone()
+    u1[idx] = 0
     expect_v = v + 0.5 * u1 + x
     assert torch.allclose(decode_payload(p2) + c.residual("w"), expect_v, atol=1e-6)
     assert c.residual("other") is None

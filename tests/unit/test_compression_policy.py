@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from compression import Compressor, ErrorFeedback, decode_payload, get_codec
+from compression.base import CodecError
 
 EF_SPECS = ["sign", "topk:ratio=0.02", "randk:ratio=0.05", "int8:chunk=32", "qsgd:levels=4,chunk=32", "bf16"]
 
@@ -91,7 +92,7 @@ def test_set_spec_keeps_residual(old_spec, new_spec):
 
 def test_set_spec_bad_spec_keeps_old():
     c = Compressor("int8")
-    with pytest.raises(Exception):
+    with pytest.raises(CodecError, match="unknown codec"):
         c.set_spec("bogus:x=1")
     assert c.spec == "int8"
 
