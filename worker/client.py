@@ -27,7 +27,7 @@ from deltaps.sync import parse_sync
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, RECONNECT_OPTIONS, grpc_options
 from deltaps.wire import accumulate_payload_into, chunk_from_tensor, fill_chunk, read_chunk
 from protos import PROTOCOL_VERSION, pb, rpc
-from worker.session import ShardSession
+from worker.session import SessionPolicy, ShardSession
 
 
 class CommStats:
@@ -83,13 +83,15 @@ class PSClient:
         self.pull_codec = pull_codec
         self._seq = 0
         self._seq_lock = threading.Lock()
-        # failure handling (worker/reliability.py): reconnect deadline, per-shard replay buffers
+        # failure handling (worker/session.py): reconnect deadline, per-shard replay buffers
         self.reconnect_deadline_s = reconnect_deadline_s
         if replay_steps < 1:
             raise ValueError(f"replay_steps must be >= 1, got {replay_steps}")
         self.replay_steps = replay_steps
         self.closed = threading.Event()
-        self.sessions = [ShardSession(self, i) for i in range(len(self.servers))]
+        policy = SessionPolicy(worker_id, timeout_s, reconnect_deadline_s, replay_steps)
+        self.sessions = [ShardSession(self.stubs[i], addr, i, policy, self.closed, self.on_shard_restart)
+                         for i, addr in enumerate(self.servers)]
         self.start_step = 0        # min over shards of RegisterResponse.step: where a (re)joining worker starts
 
     # ---- setup -----------------------------------------------------------------------------
@@ -295,7 +297,7 @@ class PSClient:
                         for f in msg.DESCRIPTOR.fields})
         return out
 
-    def _on_shard_restart(self, shard: int) -> None:
+    def on_shard_restart(self, shard: int) -> None:
         """A shard came back from a checkpoint: forget the pull views held for its keys (full values next)."""
         for k in self.layout:
             if k.shard == shard:

@@ -1,4 +1,4 @@
-"""Client side of the failure semantics (README "Failure semantics"): one ShardSession per shard.
+"""Client side of the failure semantics (docs/failure-semantics.md): one ShardSession per shard.
 
 * Reconnect: UNAVAILABLE / CANCELLED (connection refused or lost) is retried with exponential backoff
   and jitter until `reconnect_deadline_s` has passed since the first failure; then a PSError naming the
@@ -23,6 +23,8 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -41,12 +43,25 @@ def backoff_delays(base: float = 0.05, cap: float = 2.0):
         i = min(i + 1, 30)
 
 
-class ShardSession:
-    """Connection state of one client to one shard: incarnation, registration, replay buffer."""
+@dataclass(frozen=True)
+class SessionPolicy:
+    """What a session needs to know of its client: who it is and how long to wait, retry and buffer."""
+    worker_id: int
+    timeout_s: float
+    reconnect_deadline_s: float
+    replay_steps: int
 
-    def __init__(self, client, shard: int):
-        self.client, self.shard = client, shard
-        self.addr = client.servers[shard]
+
+class ShardSession:
+    """Connection state of one client to one shard: incarnation, registration, replay buffer.
+
+    It holds no reference to the client: the stub, the policy, the client's `closed` event and a callback
+    for a shard restart are all it gets."""
+
+    def __init__(self, stub, addr: str, shard: int, policy: SessionPolicy, closed: threading.Event,
+                 on_restart: Callable[[int], None]):
+        self.stub, self.addr, self.shard = stub, addr, shard
+        self.policy, self.closed, self.on_restart = policy, closed, on_restart
         self.lock = threading.RLock()       # held during recovery; guards the buffer
         self.server_id = ""                  # incarnation registered with ("" = not yet)
         self.epoch = 0                       # bumped by every recovery
@@ -60,14 +75,14 @@ class ShardSession:
     # ---- plumbing -------------------------------------------------------------------------------
     def _stub_call(self, method: str, req, timeout: float):
         try:
-            return getattr(self.client.stubs[self.shard], method)(req, timeout=timeout)
+            return getattr(self.stub, method)(req, timeout=timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
     def _unreachable(self, t0: float, err) -> "Exception":
         return PSError(grpc.StatusCode.UNAVAILABLE,
                        f"shard {self.shard} at {self.addr} unreachable for {time.monotonic() - t0:.1f}s "
-                       f"(reconnect deadline {self.client.reconnect_deadline_s:g}s): {err}")
+                       f"(reconnect deadline {self.policy.reconnect_deadline_s:g}s): {err}")
 
     def _with_backoff(self, fn, t0: float | None = None):
         """fn() retried on connection errors until the reconnect deadline (from t0, default now)."""
@@ -79,9 +94,9 @@ class ShardSession:
             except PSError as e:
                 if e.code not in RETRYABLE:
                     raise
-                if self.client.closed.is_set() or time.monotonic() - t0 > self.client.reconnect_deadline_s:
+                if self.closed.is_set() or time.monotonic() - t0 > self.policy.reconnect_deadline_s:
                     raise self._unreachable(t0, e) from None
-                time.sleep(min(next(delays), max(0.0, t0 + self.client.reconnect_deadline_s - time.monotonic())))
+                time.sleep(min(next(delays), max(0.0, t0 + self.policy.reconnect_deadline_s - time.monotonic())))
 
     # ---- registration and recovery ----------------------------------------------------------------
     def register(self, req):
@@ -111,18 +126,18 @@ class ShardSession:
                               f"{rep.server_id}; was it started with --restore?); cannot continue")
             pending = list(self.buffer)
             log.warning("worker %d: shard %d (%s) restarted (server_id %s -> %s) at step %d; replaying %d "
-                        "buffered pushes (%s)", self.client.worker_id, self.shard, self.addr, self.server_id or "-",
+                        "buffered pushes (%s)", self.policy.worker_id, self.shard, self.addr, self.server_id or "-",
                         rep.server_id, rep.step, len(pending), cause)
             if rep.step < self.dropped_below and (not pending or rep.step < pending[0][0]):
                 raise PSError(grpc.StatusCode.DATA_LOSS,
                               f"shard {self.shard} at {self.addr} restarted at step {rep.step} but the replay buffer "
-                              f"starts at step {self.dropped_below} (replay_steps={self.client.replay_steps}); "
+                              f"starts at step {self.dropped_below} (replay_steps={self.policy.replay_steps}); "
                               f"pushes of steps {rep.step}..{self.dropped_below - 1} are lost: raise replay_steps "
                               f"or checkpoint more often")
             for _, _, req in pending:
                 req.server_id = rep.server_id
                 try:
-                    resp = self._with_backoff(lambda req=req: self._stub_call("Push", req, self.client.timeout_s), t0)
+                    resp = self._with_backoff(lambda req=req: self._stub_call("Push", req, self.policy.timeout_s), t0)
                 except PSError as e:
                     raise PSError(e.code, f"shard {self.shard} at {self.addr}: replaying step {req.step} "
                                           f"(seq {req.seq}) after a restart failed: {e}") from None
@@ -130,7 +145,7 @@ class ShardSession:
                 self._trim(resp.durable_step)
             self.server_id = rep.server_id
             self.epoch += 1
-            self.client._on_shard_restart(self.shard)
+            self.on_restart(self.shard)
 
     def call(self, method: str, build, timeout: float):
         """Send build() (rebuilt per attempt, with the current server_id); recover and retry on connection
@@ -149,13 +164,13 @@ class ShardSession:
                            and e.reason == NOT_LIVE_MEMBER)
                 if e.code not in RETRYABLE and e.code != grpc.StatusCode.ABORTED and not evicted:
                     raise
-                if self.client.closed.is_set():
+                if self.closed.is_set():
                     raise
                 t0 = time.monotonic() if t0 is None else t0
-                if time.monotonic() - t0 > self.client.reconnect_deadline_s:
+                if time.monotonic() - t0 > self.policy.reconnect_deadline_s:
                     raise self._unreachable(t0, e) from None
                 if evicted:
-                    log.warning("worker %d: shard %d evicted us; re-registering", self.client.worker_id, self.shard)
+                    log.warning("worker %d: shard %d evicted us; re-registering", self.policy.worker_id, self.shard)
                 self.recover(epoch, t0, e)
 
     # ---- pushes ---------------------------------------------------------------------------------
@@ -198,10 +213,10 @@ class ShardSession:
             self.buffer.popleft()
 
     def _bound(self) -> None:
-        limit = self.client.replay_steps
+        limit = self.policy.replay_steps
         while self.buffer and self.buffer[-1][0] - self.buffer[0][0] >= limit:
             step = self.buffer.popleft()[0]
             if step + 1 > self.dropped_below:
                 log.warning("worker %d: replay buffer of shard %d exceeds replay_steps=%d; dropping step %d",
-                            self.client.worker_id, self.shard, limit, step)
+                            self.policy.worker_id, self.shard, limit, step)
             self.dropped_below = max(self.dropped_below, step + 1)
