@@ -38,7 +38,7 @@ test-unit: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# Real Prometheus + promtool for tests/test_metrics*.py (Debian package). Never fails the build: without
+# Real Prometheus + promtool for tests/rpc/test_metrics.py and tests/cluster/test_metrics_prometheus.py (Debian package). Never fails the build: without
 # it those tests skip and say why.
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { \
@@ -48,7 +48,7 @@ prometheus:
 	  && echo "make prometheus: installed $$(prometheus --version 2>&1 | head -1)" \
 	  || echo "make prometheus: could not install the prometheus package; the Prometheus tests will skip"; }
 
-# kubectl (with its built-in kustomize) for tests/test_deploy.py, Debian package; never fails the build: without
+# kubectl (with its built-in kustomize) for tests/deploy, Debian package; never fails the build: without
 # it the manifest-rendering tests skip and say why.
 kubectl:
 	@command -v kubectl >/dev/null 2>&1 || { \

@@ -1,1 +1,2 @@
-"""deltaps parameter server: shards, partitioning, sync modes, server optimizer, CLI."""
+"""deltaps parameter server, the server only: shards, membership, server optimizer, pull views,
+durability, metrics and embedding tables."""

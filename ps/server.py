@@ -141,7 +141,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     def Stats(self, req, context):
         return pb.StatsResponse(**self.shard.stats())
 
-    # ---- row-sparse embedding tables: bodies in ps/embedding.py ----
+    # ---- row-sparse embedding tables: bodies in ps/embedding/service.py ----
     @_guard
     def RegisterEmbedding(self, req, context):
         from ps import embedding

@@ -43,7 +43,7 @@ class Shard(Membership):
         self.shard_id = shard_id
         self.num_shards = num_shards
         self.wait_timeout_s = wait_timeout_s
-        # ---- reliability (ps/durability.py, README "Failure semantics") ----
+        # ---- reliability (ps/durability.py, docs/failure-semantics.md) ----
         self.server_id = secrets.token_hex(8)      # new on every process start: clients detect restarts
         self.worker_timeout_s = worker_timeout_s   # > 0: evict live workers silent for longer than this
         self.nonfinite = nonfinite                 # reject (INVALID_ARGUMENT) | skip (ack, not applied)
@@ -235,7 +235,7 @@ class Shard(Membership):
     def pull(self, keys: list[str], min_version: int, timeout_s: float = 0.0, have_versions=None, *,
              worker: int | None = None, alive=None):
         """[(key, kind, tensor-or-payload, version)], server-side wait. Without have_versions every
-        value is the exact parameter (kind FULL); with them, see ps/pull_codec.py.
+        value is the exact parameter (kind FULL); with them, see deltaps/pull_codec.py.
 
         worker/alive: while the pull waits, `worker` counts as alive (not evicted) as long as alive()
         (the RPC context's is_active) is true; a caller that went away ends the wait with CANCELLED."""

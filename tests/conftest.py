@@ -53,3 +53,16 @@ def run_threads(fns, timeout=60):
         assert not t.is_alive(), "thread hung"
     if errors:
         raise errors[0]
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_open_no_sockets(request, monkeypatch):
+    """tests/unit promises no sockets: any socket a unit test opens fails it (subprocesses are theirs)."""
+    if request.node.path.parent.name != "unit":
+        return
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a unit test opened a socket: it belongs in tests/rpc or tests/cluster")
+    monkeypatch.setattr(socket, "socket", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)

@@ -1,4 +1,4 @@
-"""deltaps training-side client: push/pull by key, DistributedOptimizer wrapper, trainer, allreduce mode."""
+"""deltaps training side: PSClient (push/pull by key), ShardSession, DistributedOptimizer, trainers, workloads."""
 from worker.client import PSClient, PSError
 from worker.optimizer import DistributedOptimizer
 

@@ -213,7 +213,7 @@ class PSClient:
         """Blocking pull into out[param] (flat float32 buffers); returns the server-side wait.
 
         delta=True: `out` is this client's persistent copy of the shared view; the server sends only
-        compressed deltas (or nothing) for keys it already holds (see ps/pull_codec.py)."""
+        compressed deltas (or nothing) for keys it already holds (see deltaps/pull_codec.py)."""
         waited = 0.0
         for batch in message_batches(keys, self.chunk_bytes):
             t0 = time.perf_counter()

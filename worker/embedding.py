@@ -8,7 +8,7 @@
         client.push_rows(step, emb.row_grads())  # pushes only those rows' gradients (one request per shard)
 
 The whole step never materialises the table: a worker holds unique-ids x dim floats. Rows live on shard
-id % num_shards (ps/embedding.py applies the row-wise optimizer there). `replace_embeddings(model, ...)`
+id % num_shards (ps/embedding/ applies the row-wise optimizer there). `replace_embeddings(model, ...)`
 swaps the nn.Embedding modules a rule selects for PSEmbedding modules.
 """
 from __future__ import annotations

@@ -53,7 +53,7 @@ def run(args) -> int:
     shard = Shard(args.shard_id, args.num_shards, wait_timeout_s=args.wait_timeout,
                   worker_timeout_s=args.worker_timeout, nonfinite=args.nonfinite)
     checkpointer = _durability(args, shard)
-    if args.embedding_memory_cap:   # row-sparse embedding tables (ps/embedding.py)
+    if args.embedding_memory_cap:   # row-sparse embedding tables (ps/embedding/)
         from ps.embedding import attach
         attach(shard, parse_bytes(args.embedding_memory_cap))
     metrics = None

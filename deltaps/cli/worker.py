@@ -36,11 +36,11 @@ def run(args) -> int:
 
     cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
     resolve_worker_env(args)
-    if cfg.mode == "pipeline":   # pipeline stages x data-parallel replicas through the PS (worker/pipeline.py)
+    if cfg.mode == "pipeline":   # pipeline stages x data-parallel replicas through the PS (worker/trainers/pipeline.py)
         from deltaps.security import Security
         from worker.trainers.pipeline import run_worker as run_pipeline_worker
         result = run_pipeline_worker(cfg, args, security=Security.from_args(args, "client"))
-    elif cfg.mode == "hybrid" or cfg.workload == "ctr":   # embedding workload / hybrid (worker/hybrid.py)
+    elif cfg.mode == "hybrid" or cfg.workload == "ctr":   # embedding workload / hybrid (worker/trainers/hybrid.py)
         from deltaps.security import Security
         from worker.trainers.hybrid import run_worker
         result = run_worker(cfg, args, security=Security.from_args(args, "client"))
@@ -79,7 +79,7 @@ def run(args) -> int:
     if cfg.mode in ("allreduce", "hybrid", "pipeline"):
         # The process group is destroyed and the result written. Skip interpreter finalisation: gloo's
         # C++ threads can still hold tensors then and abort the process ("terminate called without an
-        # active exception", seen intermittently at exit in tests/test_bench_compare.py).
+        # active exception", seen intermittently at exit in tests/cluster/test_bench_compare.py).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

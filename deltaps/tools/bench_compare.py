@@ -4,7 +4,7 @@
         --modes allreduce,ps:none,ps:int8,ps:topk:ratio=0.01 --json out.json --plot out.png
 
 Each process (PS shard or worker) gets a network namespace of its own, linked to a bridge by a
-veth pair shaped with tbf in both directions (ps/netns.py), so all traffic between processes crosses
+veth pair shaped with tbf in both directions (deltaps/tools/netns.py), so all traffic between processes crosses
 `--bandwidth` links. Modes run back to back in one invocation on the same topology, with the same
 model, data, seed, optimizer and steps; speed-ups and accuracy deltas are against the allreduce run of
 the same invocation. Without root / iproute2, or with --no-shaping, everything runs on loopback and

@@ -13,7 +13,7 @@ Ring allreduce (DDP/gloo):
     t_step = t_fwd_bwd + t_opt + max(0, t_comm - overlap)
 Parameter server (BSP, push chained to pull per key):
     Pw = G / r_push, Pl = G / r_pull                       (wire bytes one worker pushes / pulls)
-    s_j = share of G on shard j (the real partition, ps/partition.py), k_j = its keys
+    s_j = share of G on shard j (the real partition, deltaps/layout.py), k_j = its keys
     shard link = max_j W s_j (Pw + Pl + Pl + Pw / W) / 2 / B   the mean of two bounds: the W pulls leave
                  together (fan-in, then fan-out: in + out) or one after another (out + in / W)
     link time = max(shard link, (Pw + Pl) / B) + 2 alpha     (the worker's own link)

@@ -1,4 +1,4 @@
-"""--mode pipeline (worker/pipeline.py): pipeline stages x data-parallel replicas, stage gradients through the PS.
+"""--mode pipeline (worker/trainers/pipeline.py): pipeline stages x data-parallel replicas, stage gradients through the PS.
 
 The multi-process tests start real clusters (`deltaps launch`): shards, S x D gloo workers."""
 import json

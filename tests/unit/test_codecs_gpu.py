@@ -30,7 +30,7 @@ def test_uniform_matches_uint64_definition():
 
 def test_feistel_matches_definition_and_is_bijective():
     n, seed = 1000, 7
-    h, mask = rng._feistel_params(n)
+    h, mask = rng.feistel_params(n)
 
     def ref(x):
         left, right = x >> h, x & mask

@@ -6,7 +6,7 @@
 * `ps`: the whole model is on the parameter servers with dense pushes (DistributedOptimizer): every
   step pushes the table's dense gradient and pulls it back; one server optimizer (--optimizer) for all.
 * `hybrid`: modules selected by --ps-params (every nn.Embedding by default) live on the PS, row-sparse
-  (worker/embedding.py, ps/embedding.py): a step pulls the unique rows of its batch, pushes their
+  (worker/embedding.py, ps/embedding/): a step pulls the unique rows of its batch, pushes their
   gradients; the rest of the model (the MLP) is a DDP module over gloo, allreduced in the same step.
 
 With --embedding-optimizer sgd or adagrad, `allreduce` and `hybrid` compute the same updates: a dense

@@ -88,7 +88,7 @@ def probe_codecs(grad_bytes: int, specs: list[str], repeats: int = 15) -> dict:
 
     from deltaps.tools.bench_codecs import run_codec_bench
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # as the workers run (worker/train.py)
+    torch.set_num_threads(1)        # as the workers run (worker/trainers/)
     try:
         res = run_codec_bench(max(4096, grad_bytes), specs, "cpu", repeats)
     finally:
