@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 
 # the one protoc recipe (protos/build.py; the Dockerfiles and the first import of `protos` run it too)
 proto: $(STAMP)
-	$(BIN)/python -m protos.build
+	$(BIN)/python protos/build.py
 
 $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
 	$(MAKE) proto

@@ -1,7 +1,8 @@
 """Generated gRPC code for protos/deltaps.proto (built by protos/build.py; generated on first import if missing)."""
-from protos import build as _build
+import os as _os
 
-if not _build.generated():
+if not _os.path.exists(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "deltaps_pb2_grpc.py")):
+    from protos import build as _build   # written last by the recipe: its absence means "not generated"
     _build.generate()
 
 from protos import deltaps_pb2 as pb  # noqa: E402

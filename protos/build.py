@@ -1,7 +1,7 @@
 """The one protoc recipe: generate deltaps_pb2.py / deltaps_pb2_grpc.py next to deltaps.proto.
 
 `make proto`, both Dockerfiles and the first import of `protos` (when the generated files are missing)
-all run this: `python -m protos.build`.
+all run this: `python protos/build.py` (a plain script, so the package is not imported half-built).
 """
 from __future__ import annotations
 

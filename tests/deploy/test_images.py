@@ -55,7 +55,7 @@ def test_dockerfile_entrypoint_and_cmd_match_the_cli(name):
         assert str(args.port) in instr["EXPOSE"][-1].split() and str(args.metrics_port) in instr["EXPOSE"][-1].split()
     assert instr["USER"][-1].split(":")[0] not in ("root", "0")
     assert all(f.startswith("${PYTHON_IMAGE}") for f in instr["FROM"]) and "ARG PYTHON_IMAGE=python:3.11-slim" in text
-    assert "python -m protos.build" in joined and "COPY deltaps/ deltaps/" in text   # the one protoc recipe
+    assert "python protos/build.py" in joined and "COPY deltaps/ deltaps/" in text   # the one protoc recipe
     assert "TORCH_VERSION=2.13.0" in text
     if name == "Dockerfile":
         assert "download.pytorch.org/whl/cpu" in text
@@ -66,10 +66,10 @@ def test_dockerfile_entrypoint_and_cmd_match_the_cli(name):
 def test_dockerfile_proto_step_matches_makefile():
     """Both images and `make proto` run the one protoc recipe (protos/build.py), and nothing else calls protoc."""
     make = (ROOT / "Makefile").read_text()
-    assert "$(BIN)/python -m protos.build" in make
+    assert "$(BIN)/python protos/build.py" in make
     for name in ("Dockerfile", "Dockerfile.cuda"):
         _, joined = _dockerfile(name)
-        assert "python -m protos.build" in joined and "grpc_tools.protoc" not in joined
+        assert "python protos/build.py" in joined and "grpc_tools.protoc" not in joined
     assert "grpc_tools.protoc" not in make
 
 
