@@ -2,7 +2,7 @@
 import os as _os
 
 if not _os.path.exists(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "deltaps_pb2_grpc.py")):
-    from protos import build as _build   # written last by the recipe: its absence means "not generated"
+    from protos import build as _build  # written last by the recipe: its absence means "not generated"
     _build.generate()
 
 from protos import deltaps_pb2 as pb  # noqa: E402

@@ -136,7 +136,7 @@ class PSClient:
     def _slice(t: torch.Tensor, k: Key) -> torch.Tensor:
         return t.detach().reshape(-1)[k.offset:k.offset + k.numel]
 
-    def _by_shard(self, names) -> dict[int, list[Key]]:
+    def keys_by_shard(self, names) -> dict[int, list[Key]]:
         groups = defaultdict(list)
         for n in names:
             if n not in self.by_param:
@@ -205,7 +205,7 @@ class PSClient:
             f.result()
 
     def push_async(self, grads: dict[str, torch.Tensor], step: int) -> list[Future]:
-        return [self.pool.submit(self.push_keys, s, ks, grads, step) for s, ks in self._by_shard(grads).items()]
+        return [self.pool.submit(self.push_keys, s, ks, grads, step) for s, ks in self.keys_by_shard(grads).items()]
 
     # ---- pull ------------------------------------------------------------------------------
     def pull_keys(self, shard: int, keys: list[Key], min_version: int, out: dict[str, torch.Tensor],
@@ -263,7 +263,7 @@ class PSClient:
         if out is None:
             out = {n: torch.empty(sum(k.numel for k in self.by_param[n]), dtype=torch.float32) for n in names}
         futs = [self.pool.submit(self.pull_keys, s, ks, min_version, out, delta)
-                for s, ks in self._by_shard(names).items()]
+                for s, ks in self.keys_by_shard(names).items()]
         for f in futs:
             f.result()
         return out

@@ -77,7 +77,7 @@ class DistributedOptimizer:
         step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
         self._pending[b] = [self.client.pool.submit(self.client.push_pull_keys, shard, keys, grads, step, min_v,
                                                     self._staging)
-                            for shard, keys in self.client._by_shard(self.buckets[b]).items()]
+                            for shard, keys in self.client.keys_by_shard(self.buckets[b]).items()]
 
     # ---- torch.optim surface ---------------------------------------------------------------
     @torch.no_grad()

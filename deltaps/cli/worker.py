@@ -45,7 +45,8 @@ def run(args) -> int:
         from worker.trainers.hybrid import run_worker
         result = run_worker(cfg, args, security=Security.from_args(args, "client"))
     elif cfg.mode == "allreduce":   # DDP baseline; flags absent -> torchrun's RANK/WORLD_SIZE/MASTER_*
-        from worker.trainers.allreduce import env_rendezvous, train_allreduce
+        from worker.trainers.allreduce import train_allreduce
+        from worker.trainers.collective import env_rendezvous
         rank, world, addr, port = env_rendezvous(args.rank, args.world_size, args.master_addr, args.master_port)
         args.rank = rank
         result = train_allreduce(cfg, rank, world, addr, port, backend=args.backend,

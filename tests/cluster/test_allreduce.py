@@ -8,7 +8,7 @@ import pytest
 
 from deltaps.config import load_config
 from deltaps.tools.launch import free_port, launch
-from worker.trainers.allreduce import env_rendezvous, ring_bytes
+from worker.trainers.collective import env_rendezvous, ring_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -36,7 +36,6 @@ from deltaps.config import TrainConfig
 from worker.trainers.base import RunRecorder, local_optimizer, save_model
 from worker.trainers.collective import (
     AllreduceHookState,
-    env_rendezvous,
     init_process_group,
     resolve_backend,
     ring_bytes,
@@ -45,7 +44,7 @@ from worker.trainers.collective import (
 from worker.workloads.digits import load_digits_split, worker_batches
 from worker.workloads.mlp import accuracy, make_mlp, param_count
 
-__all__ = ["train_allreduce", "allreduce_extras", "env_rendezvous", "resolve_backend", "ring_bytes"]
+__all__ = ["train_allreduce", "allreduce_extras"]
 
 log = logging.getLogger("deltaps.allreduce")
 

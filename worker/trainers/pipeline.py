@@ -157,7 +157,7 @@ def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: 
             client.push(grads, step)
             before = time.perf_counter()
             futs = [client.pool.submit(client.pull_keys, sh, ks, client.sync.pull_min_version(step + 1), staging, True)
-                    for sh, ks in client._by_shard(own_names).items()]
+                    for sh, ks in client.keys_by_shard(own_names).items()]
             waited = max((f.result() for f in futs), default=0.0)
             load_params(own, staging)
             t2 = time.perf_counter()

@@ -16,7 +16,6 @@ from worker.trainers.base import (
     adopt_server_params,
     comm_counters,
     distributed_optimizer,
-    local_optimizer,  # noqa: F401  (re-exported: deltaps.tools.advise's probe imports it from here)
     save_model,
 )
 from worker.workloads.digits import load_digits_split, worker_batches

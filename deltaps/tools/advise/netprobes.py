@@ -180,7 +180,7 @@ from deltaps.malloc import tune_malloc
 tune_malloc()
 from deltaps.config import TrainConfig
 from worker.optimizer import DistributedOptimizer
-from worker.trainers.ps import local_optimizer
+from worker.trainers.base import local_optimizer
 addrs, rank, world, codec = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 tensors, n = json.loads(sys.argv[5]), int(sys.argv[6])
 torch.manual_seed(rank)
