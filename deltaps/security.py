@@ -148,8 +148,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Refuses every call (known method or not, except the health service) without the right token:
     UNAUTHENTICATED, before the request is parsed."""
 
-    def __init__(self, token: str, log_every_s: float = 10.0, exempt_prefixes=AUTH_EXEMPT_PREFIXES):
+    def __init__(self, token: str, log_every_s: float = 10.0, exempt_prefixes=AUTH_EXEMPT_PREFIXES,
+                 on_refusal=None):
         self._digest = _digest(token)
+        self._on_refusal = on_refusal
         self._exempt = tuple(exempt_prefixes)
         self._log_every_s = log_every_s
         self._lock = threading.Lock()
@@ -181,6 +183,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
         def refuse(_request, context):
             self._note(method, context.peer(), reason)
+            if self._on_refusal is not None:
+                self._on_refusal(method.rsplit("/", 1)[-1], "UNAUTHENTICATED")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
         # No request deserializer: a refused request is never parsed.
@@ -301,8 +305,9 @@ class Security:
         return grpc.ssl_server_credentials([(_read(self.tls_key, "--tls-key"), _read(self.tls_cert, "--tls-cert"))],
                                            root_certificates=ca, require_client_auth=ca is not None)
 
-    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
-        return [TokenAuthInterceptor(self.token)] if self.token else []
+    def server_interceptors(self, on_refusal=None) -> list[grpc.ServerInterceptor]:
+        """on_refusal(rpc, reason): called for every call the interceptor refuses (the server's counter)."""
+        return [TokenAuthInterceptor(self.token, on_refusal=on_refusal)] if self.token else []
 
     def add_port(self, server: grpc.Server, address: str) -> int:
         """Bind address (TLS when configured); returns the port (0 = failed)."""

@@ -17,10 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deltaps.exporter import LATENCY_BUCKETS, STALENESS_BUCKETS
+from ps.handlers import method_types
 
 log = logging.getLogger("deltaps.metrics")
 
-SERVER_RPCS = ("Register", "Init", "Push", "Pull", "PushPull", "Barrier", "SetCodec", "Stats")
+SERVER_RPCS = tuple(method_types())   # every RPC of the service, embedding ones included
 
 
 def _raw_nbytes(chunk) -> int:
@@ -162,6 +163,11 @@ class ServerMetrics:
             hist.observe(time.perf_counter() - t0)
             return out
         servicer.shard.push = timed_push
+
+    def count_refusal(self, rpc: str, reason: str) -> None:
+        """A request refused before it reached the servicer (bad token, undecodable bytes). A method name
+        outside the service is counted as "other" (callers choose it: it must not grow the label set)."""
+        self.rejected.labels(self.sid, rpc if rpc in SERVER_RPCS else "other", reason).inc()
 
     def _wrap(self, rpc: str, fn):
         hist = self.rpc_s.labels(self.sid, rpc)

@@ -17,6 +17,7 @@ from deltaps.security import Security
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from deltaps.wire import decode_chunk, fill_chunk, fill_chunk_from_tensor, unpack_chunk
 from protos import PROTOCOL_VERSION, pb, rpc
+from ps.handlers import add_servicer
 from ps.shard import Shard
 
 log = logging.getLogger("deltaps.server")
@@ -194,12 +195,14 @@ def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
     security = security or Security()
     for warning in security.exposure_warnings(host):
         log.warning("%s", warning)
+    on_refusal = metrics.count_refusal if metrics is not None else None   # every refusal is counted
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps"),
-                         options=grpc_options(max_message_bytes), interceptors=security.server_interceptors())
+                         options=grpc_options(max_message_bytes),
+                         interceptors=security.server_interceptors(on_refusal=on_refusal))
     servicer = ParameterServerServicer(shard)
     if metrics is not None:
         metrics.instrument(servicer)
-    rpc.add_ParameterServerServicer_to_server(servicer, server)
+    add_servicer(server, servicer, on_refusal=on_refusal)
     server.deltaps_health = add_health_service(server)
     bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:

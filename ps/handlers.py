@@ -1,0 +1,52 @@
+"""The servicer's RPCs registered with deltaps parsing the request bytes itself.
+
+grpc's generated registration parses requests in its own path: bytes that are not a valid message come
+back as INTERNAL (the server's fault, says the status) and write a full traceback to the log per request.
+Here each method receives the raw bytes; an undecodable body is refused with INVALID_ARGUMENT naming the
+RPC and the problem, and nothing is logged beyond the refusal count (`on_refusal`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from protos import pb
+
+SERVICE = "deltaps.ParameterServer"
+
+
+def method_types() -> dict[str, tuple[type, type]]:
+    """RPC name -> (request class, response class), read from the compiled service descriptor."""
+    service = pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]]
+    return {m.name: (getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)) for m in service.methods}
+
+
+def parsed(rpc: str, request_type: type, call: Callable, on_refusal: Callable[[str, str], None] | None):
+    """A raw-bytes behaviour: parse, refuse undecodable bytes with INVALID_ARGUMENT, else call(request, ctx)."""
+    def behaviour(raw: bytes, context: grpc.ServicerContext):
+        try:
+            request = request_type.FromString(raw)
+        except (DecodeError, ValueError, RuntimeError) as e:   # upb raises DecodeError; a few paths others
+            if on_refusal is not None:
+                on_refusal(rpc, "INVALID_ARGUMENT")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{rpc}: the request body ({len(raw)} bytes) is not a valid {request_type.__name__} "
+                          f"message ({e or 'truncated or malformed'})")
+        return call(request, context)
+    behaviour.__name__ = rpc
+    return behaviour
+
+
+def add_servicer(server: grpc.Server, servicer, on_refusal: Callable[[str, str], None] | None = None) -> None:
+    """Register every RPC of the ParameterServer service; methods are looked up on the servicer at call
+    time, so wrappers installed later (metrics) still see every call."""
+    handlers = {}
+    for rpc, (req_t, rep_t) in method_types().items():
+        def call(request, context, rpc=rpc):
+            return getattr(servicer, rpc)(request, context)
+        handlers[rpc] = grpc.unary_unary_rpc_method_handler(
+            parsed(rpc, req_t, call, on_refusal), request_deserializer=None,
+            response_serializer=rep_t.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
