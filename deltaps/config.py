@@ -28,6 +28,13 @@ class TrainConfig:
     sync: str = option("bsp", "bsp, asp or ssp:S")
     servers: int = option(2, "number of PS shards (launch)")
     workers: int = option(2, "number of workers / world size (launch)")
+    min_workers: int = option(
+        0,
+        "elastic job: below this many live workers the job pauses (and says so) until workers join "
+        "(0: never pauses; evicted workers just leave)")
+    max_workers: int = option(
+        0,
+        "elastic job: workers with ids below this may join while it runs (0 = --workers: no joins)")
     steps: int = option(300, "training steps per worker")
     batch_size: int = option(32, "batch size per worker")
     optimizer: str = option("adam", "server-side optimizer: sgd or adam")
@@ -37,6 +44,10 @@ class TrainConfig:
     codec: str = option("none", "gradient codec spec (none, fp16, int8, topk:ratio=0.01, ...)")
     chunk_bytes: int = option(4 << 20, "split tensors into keys of at most this many bytes", parse=parse_bytes)
     max_message_bytes: int = option(64 << 20, "gRPC max send/receive message size", parse=parse_bytes)
+    buffer_sync: str = option(
+        "broadcast",
+        "model buffers (BatchNorm running statistics, ...) in --mode ps: broadcast (rank 0's to every worker at "
+        "each step, as DDP's broadcast_buffers), average (the workers' mean) or local (never synchronised)")
     bucket_bytes: int = option(
         25 << 20,
         "gradient fusion (as DDP buckets): parameters are grouped in backward order into buckets of about "
@@ -106,8 +117,13 @@ class TrainConfig:
         for name in ("servers", "workers", "steps", "batch_size", "hidden", "layers", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        lo, hi = self.min_workers or 1, self.max_workers or self.workers
+        if not 1 <= lo <= self.workers <= hi:
+            raise ValueError(f"want 1 <= --min-workers {lo} <= --workers {self.workers} <= --max-workers {hi}")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
+        from deltaps.layout import role_for_buffers
+        role_for_buffers(self.buffer_sync)
         from compression import get_codec
         from deltaps.pull_codec import resolve_pull_codec
         get_codec(self.codec)

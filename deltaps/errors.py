@@ -12,6 +12,7 @@ REASON_KEY = "deltaps-reason"   # trailing-metadata key of a refusal's reason
 
 # Machine-readable refusal reasons (values travel on the wire: never rename one).
 NOT_LIVE_MEMBER = "not-live-member"     # the worker was evicted (or never registered): Register to rejoin
+PAUSED = "paused"                       # an elastic job has fewer live workers than --min-workers: retry
 
 
 class ShardError(Exception):

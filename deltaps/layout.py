@@ -13,6 +13,14 @@ DEFAULT_CHUNK_BYTES = 4 << 20      # a key holds at most this many bytes
 DEFAULT_BUCKET_BYTES = 25 << 20    # gradient fusion bucket, as DDP's bucket_cap_mb default
 MESSAGE_HEADROOM = 1 << 20         # fused messages stay this far below the gRPC message limit
 
+# What a key holds. A parameter's pushes are gradients for the server optimizer; a model buffer's (BatchNorm
+# running statistics, any registered buffer) are the worker's current values, assigned, never optimised or
+# compressed: the lowest-rank pusher's (DDP's broadcast_buffers) or the mean of the pushers'. Buffers always
+# travel as float32 (integer buffers such as num_batches_tracked are exact up to 2**24).
+PARAM = "param"
+BUFFER_ROLES = {"broadcast": "buffer:broadcast", "average": "buffer:average"}
+BUFFER_MODES = ("broadcast", "average", "local")   # local: buffers stay on each worker (not in the layout)
+
 
 @dataclass(frozen=True)
 class Key:
@@ -22,6 +30,11 @@ class Key:
     numel: int
     dtype: str
     shard: int
+    role: str = PARAM   # PARAM or one of BUFFER_ROLES' values
+
+    @property
+    def is_buffer(self) -> bool:
+        return self.role != PARAM
 
 
 def itemsize(dtype: str) -> int:
@@ -35,17 +48,30 @@ def split_param(name: str, numel: int, dtype: str, chunk_bytes: int) -> list[tup
     return [(f"{name}#{i}", i * per, min(per, numel - i * per) if numel else 0) for i in range(n_chunks)]
 
 
+def role_for_buffers(mode: str) -> str | None:
+    """The key role of model buffers under DistributedOptimizer(buffers=mode); None for "local"."""
+    if mode not in BUFFER_MODES:
+        raise ValueError(f"buffer sync must be one of {', '.join(BUFFER_MODES)}, got {mode!r}")
+    return BUFFER_ROLES.get(mode)
+
+
 def build_layout(params: list[tuple[str, int, str]], num_shards: int,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Key]:
-    """params: (name, numel, dtype) in model order. Greedy size balancing: largest key first onto the
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffers: list[tuple[str, int]] = (),
+                 buffer_role: str = BUFFER_ROLES["broadcast"]) -> list[Key]:
+    """params: (name, numel, dtype) in model order; buffers: (name, numel) in model order, keys of role
+    buffer_role after the parameters' (float32). Greedy size balancing: largest key first onto the
     least-loaded shard (ties: lowest shard id). Returns keys in model order."""
     if num_shards < 1:
         raise ValueError("num_shards must be >= 1")
-    names = [p[0] for p in params]
+    if buffers and buffer_role not in BUFFER_ROLES.values():
+        raise ValueError(f"buffer_role must be one of {', '.join(BUFFER_ROLES.values())}, got {buffer_role!r}")
+    entries = [(name, numel, dtype, PARAM) for name, numel, dtype in params]
+    entries += [(name, numel, "float32", buffer_role) for name, numel in buffers]
+    names = [e[0] for e in entries]
     if len(set(names)) != len(names):
-        raise ValueError("parameter names must be unique")
-    chunks = [(k, name, off, n, dtype)
-              for name, numel, dtype in params
+        raise ValueError("parameter and buffer names must be unique")
+    chunks = [(k, name, off, n, dtype, role)
+              for name, numel, dtype, role in entries
               for k, off, n in split_param(name, numel, dtype, chunk_bytes)]
     load = [0] * num_shards
     shard_of: dict[str, int] = {}
@@ -54,11 +80,13 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
         s = min(range(num_shards), key=lambda j: (load[j], j))
         shard_of[chunks[i][0]] = s
         load[s] += max(1, chunks[i][3] * itemsize(chunks[i][4]))
-    return [Key(k, name, off, n, dtype, shard_of[k]) for k, name, off, n, dtype in chunks]
+    return [Key(k, name, off, n, dtype, shard_of[k], role) for k, name, off, n, dtype, role in chunks]
 
 
 def layout_digest(layout: list[Key], num_shards: int) -> str:
-    blob = json.dumps([num_shards] + [[k.key, k.offset, k.numel, k.dtype, k.shard] for k in layout])
+    """sha256 of the layout; a buffer key's role is part of it (parameter-only layouts digest as before)."""
+    blob = json.dumps([num_shards] + [[k.key, k.offset, k.numel, k.dtype, k.shard] + ([k.role] if k.is_buffer else [])
+                                      for k in layout])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -8,5 +8,5 @@ if not _os.path.exists(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)
 from protos import deltaps_pb2 as pb  # noqa: E402
 from protos import deltaps_pb2_grpc as rpc  # noqa: E402
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: key roles (model buffers), elastic worker bounds, live sets in replies
 __all__ = ["pb", "rpc", "PROTOCOL_VERSION"]

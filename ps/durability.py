@@ -6,9 +6,13 @@ bsp aggregation, the pull views, codec + codec_epoch, the live set and the count
 shard's locks; it is serialised after they are released. The file format (atomic, checksummed,
 newest valid one wins) is ps/checkpoint.py.
 
+Row-sparse embedding tables (ps/embedding/) are part of the snapshot too ("embedding": the store's
+state_dict: rows held, optimizer state, version, pushed table, live set, in-progress bsp aggregation).
+
 Durability feeds exactly-once across a crash: after each checkpoint the shard knows, per worker, the
-step up to which that worker's pushes are in it (min over keys of pushed[worker]); PushResponse
-reports it (durable_step) so clients can drop older pushes from their replay buffers.
+step up to which that worker's pushes are in it (min over keys, and over the embedding tables, of
+pushed[worker]); PushResponse and SparsePushResponse report it (durable_step) so clients can drop older
+pushes from their replay buffers.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import threading
 import time
 
 from ps.checkpoint import load_latest, write_checkpoint
+from ps.embedding import store_of
 from ps.shard import Shard
 
 log = logging.getLogger("deltaps.durability")
@@ -25,19 +30,49 @@ FORMAT = 1
 
 def snapshot(shard: Shard) -> dict:
     """A consistent, self-contained copy of the shard's state (plain types + tensors: weights_only safe)."""
-    return {"format": FORMAT, **shard.state_dict(), "saved_at": time.time()}
+    state = {"format": FORMAT, **shard.state_dict(), "saved_at": time.time()}
+    store = _embedding(shard)
+    if store is not None:
+        state["embedding"] = store.state_dict()
+    return state
+
+
+def _embedding(shard: Shard):
+    """The shard's embedding store once a job registered tables with it, else None."""
+    store = getattr(shard, "embedding", None)
+    return store if store is not None and store.world_size else None
 
 
 def durable_steps(state: dict) -> dict[int, int]:
-    """worker -> min over keys of its pushed steps in this snapshot (its pushes below that are durable)."""
+    """worker -> min over keys (and the embedding tables) of its pushed steps in this snapshot: its pushes
+    below that are durable."""
+    out: dict[int, int] = {}
     job = state["job"]
-    if job is None or not state["keys"]:
-        return {}
-    return {w: min(k["pushed"].get(w, 0) for k in state["keys"].values()) for w in range(job["world_size"])}
+    if job is not None and state["keys"]:
+        out = {w: min(k["pushed"].get(w, 0) for k in state["keys"].values()) for w in range(job["world_size"])}
+    emb = state.get("embedding")
+    if emb is not None and emb["world_size"]:
+        for w in range(emb["world_size"]):
+            step = emb["pushed"].get(w, 0)
+            out[w] = min(out[w], step) if w in out else step
+    return out
 
 
 def min_version(state: dict) -> int:
-    return min((k["version"] for k in state["keys"].values()), default=0)
+    versions = [k["version"] for k in state["keys"].values()]
+    emb = state.get("embedding")
+    if emb is not None and emb["world_size"]:
+        versions.append(emb["version"])
+    return min(versions, default=0)
+
+
+def progress_version(shard: Shard) -> int | None:
+    """The shard's min version over its keys and embedding tables (None before any job)."""
+    versions = [ks.version for ks in shard.keys.values()] if shard.job is not None else []
+    store = _embedding(shard)
+    if store is not None:
+        versions.append(store.version)
+    return min(versions) if versions else None
 
 
 def restore(shard: Shard, state: dict) -> None:
@@ -45,6 +80,8 @@ def restore(shard: Shard, state: dict) -> None:
     if state.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {state.get('format')!r} not supported (want {FORMAT})")
     shard.load_state_dict(state)
+    if state.get("embedding") is not None:   # the store attach() made keeps its --embedding-memory-cap
+        store_of(shard).load_state_dict(state["embedding"])
     shard.durable_hist.clear()
     shard.durable_hist.append(durable_steps(state))
     shard.checkpoint_version = min_version(state)
@@ -59,8 +96,11 @@ def restore_latest(shard: Shard, directory: str) -> str | None:
         return None
     state, path = found
     restore(shard, state)
-    log.warning("shard %d: restored from %s (min key version %d, live workers %s)", shard.shard_id, path,
-                shard.checkpoint_version, sorted(shard.live))
+    store = _embedding(shard)
+    log.warning("shard %d: restored from %s (min version %d, live workers %s%s)", shard.shard_id, path,
+                shard.checkpoint_version, sorted(shard.live),
+                "" if store is None else f"; embedding tables at version {store.version}, live workers "
+                                         f"{sorted(store.live)}, {sum(t.rows for t in store.tables.values())} rows")
     return path
 
 
@@ -83,13 +123,17 @@ class Checkpointer:
 
     def _mark(self):
         c = self.shard.counters
+        store = _embedding(self.shard)
+        emb = None if store is None else (store.counters["pushes"], store.counters["evictions"],
+                                          store.counters["rejoins"], store.version, len(store.live),
+                                          sum(t.rows for t in store.tables.values()))
         return (c["pushes"], c["grads_applied"], c["evictions"], c["rejoins"], self.shard.codec_epoch,
-                sum(ks.initialized for ks in self.shard.keys.values()), len(self.shard.live))
+                sum(ks.initialized for ks in self.shard.keys.values()), len(self.shard.live), emb)
 
     def checkpoint(self, reason: str = "manual") -> str | None:
         """Take a snapshot and write it; returns the file path (None before any job exists)."""
         with self._lock:
-            if self.shard.job is None:
+            if self.shard.job is None and _embedding(self.shard) is None:
                 return None
             mark = self._mark()
             state = snapshot(self.shard)
@@ -105,11 +149,10 @@ class Checkpointer:
 
     def due(self) -> str | None:
         """Why a checkpoint is due now, or None."""
-        sh = self.shard
-        if sh.job is None or not sh.keys:
+        v = progress_version(self.shard)
+        if v is None:
             return None
         if self.every_steps > 0:
-            v = min(ks.version for ks in sh.keys.values())
             if v >= max(self._last_version, 0) + self.every_steps:
                 return f"step {v}"
         if self.every_s > 0 and time.monotonic() - self._last_t >= self.every_s and self._mark() != self._last_mark:

@@ -10,15 +10,18 @@ import logging
 import threading
 import time
 
-from deltaps.errors import ShardError
+from deltaps.errors import PAUSED, ShardError
 
 log = logging.getLogger("deltaps.shard")
 
 
+PAUSE_LOG_EVERY_S = 30.0
+
+
 class Membership:
-    """Needs from the shard: lock, keys, live, job, last_seen, counters, worker_timeout_s, _barriers,
+    """Needs from the shard: lock, members, keys, live, job, last_seen, counters, worker_timeout_s, _barriers,
     _barrier_cond, _reaper, checkpointing, durable_hist, shard_id, and the step-completion hooks
-    _maybe_complete_step / _publish."""
+    _maybe_complete_step / _publish, _require_job."""
 
     # ---- elastic membership ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -32,12 +35,16 @@ class Membership:
     def _admit(self, worker: int) -> None:
         """(Re)join `worker` at the current version (self.lock held). Its pushed count on each key becomes
         at least the key's version, so it is never "behind" and its next step is worker_step()."""
+        store = getattr(self, "embedding", None)   # row-sparse tables (ps/embedding/): rejoin them too
+        if store is not None:
+            store.admit(worker)
         with self._all_keys_locked():
             for ks in self.keys.values():
                 ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
             if worker not in self.live:
                 self.live.add(worker)
                 self.counters["rejoins"] += 1
+                self.members.notify_all()
                 log.warning("shard %d: worker %d (re)joined the job at step %d; live workers %s", self.shard_id,
                             worker, self.worker_step(worker), sorted(self.live))
 
@@ -61,6 +68,9 @@ class Membership:
     def evict(self, worker: int, reason: str = "") -> bool:
         """Remove `worker` from the live set: bsp steps waiting only on it complete with the workers who
         pushed (mean over them), ssp/asp clocks stop waiting for it, barriers stop counting it."""
+        store = getattr(self, "embedding", None)   # row-sparse tables (ps/embedding/): the same, there
+        if store is not None:
+            store.evict(worker, reason)
         with self.lock:
             if worker not in self.live:
                 return False
@@ -114,12 +124,101 @@ class Membership:
         self._reaper = threading.Thread(target=loop, name=f"shard{self.shard_id}-reaper", daemon=True)
         self._reaper.start()
 
-    def _check_same_job(self, worker, world_size, mode, opt, digest, pull_codec="auto") -> None:
+    def _check_same_job(self, worker, world_size, mode, opt, digest, pull_codec="auto", min_workers=0,
+                        max_workers=0) -> None:
         job = self.job
-        for what, mine, theirs in (("world size", job.world_size, world_size), ("sync mode", str(job.sync), str(mode)),
-                                   ("optimizer", job.optimizer, opt), ("key layout digest", job.digest, digest),
-                                   ("pull codec", job.pull_codec, pull_codec or "auto")):
+        checks = [("sync mode", str(job.sync), str(mode)), ("optimizer", job.optimizer, opt),
+                  ("key layout digest", job.digest, digest), ("pull codec", job.pull_codec, pull_codec or "auto"),
+                  ("--min-workers", job.min_workers, min_workers or 1),
+                  ("--max-workers", job.max_workers, max_workers or job.world_size)]
+        if not self.elastic:   # an elastic job's joiners may have started with another count
+            checks.insert(0, ("world size", job.world_size, world_size))
+        for what, mine, theirs in checks:
             if mine != theirs:
                 raise ShardError("FAILED_PRECONDITION",
                                  f"worker {worker} disagrees with the running job on {what}: "
                                  f"job has {mine}, worker sent {theirs}")
+
+    # ---- barriers: every live worker arrives (an eviction releases the others) ------------------
+    def barrier(self, worker: int, name: str, timeout_s: float = 0.0, alive=None) -> float:
+        self._require_job()
+        self.touch(worker)
+        timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
+        t0 = time.monotonic()
+        with self._barrier_cond:
+            b = self._barriers.setdefault(name, {"gen": 0, "arrived": set()})
+            gen = b["gen"]
+            b["arrived"].add(worker)
+            if self.live <= b["arrived"]:
+                b["gen"] += 1
+                b["arrived"] = set()
+                self._barrier_cond.notify_all()
+            while b["gen"] == gen:
+                left = t0 + timeout - time.monotonic()
+                if left <= 0:
+                    b["arrived"].discard(worker)
+                    raise ShardError("DEADLINE_EXCEEDED", f"barrier {name!r} timed out after {timeout:.1f}s")
+                self._barrier_cond.wait(min(left, 0.5))
+                if alive is not None and not alive():
+                    b["arrived"].discard(worker)
+                    raise ShardError("CANCELLED", "the client waiting in the barrier went away")
+                self.touch(worker)
+        return time.monotonic() - t0
+
+    # ---- elastic jobs -----------------------------------------------------------------------
+    @property
+    def elastic(self) -> bool:
+        return self.job is not None and self.job.elastic
+
+    @property
+    def paused(self) -> bool:
+        """Fewer live workers than --min-workers: no step completes until enough workers (re)join."""
+        return self.elastic and len(self.live) < self.job.min_workers
+
+    def check_capacity(self, worker: int) -> None:
+        """A new member must have an id below --max-workers and find a free place (self.lock held)."""
+        job = self.job
+        if not 0 <= worker < job.max_workers:
+            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} outside the job's ids [0, {job.max_workers}) "
+                                                 f"(--max-workers {job.max_workers})")
+        if worker not in self.live and len(self.live) >= job.max_workers:
+            raise ShardError("RESOURCE_EXHAUSTED", f"job full: {len(self.live)} live workers {sorted(self.live)} = "
+                                                   f"--max-workers {job.max_workers}; worker {worker} not admitted")
+
+    def resize_after_restore(self, world_size: int) -> None:
+        """The first registration after a restore with another worker count re-bases the job on it: ids at or
+        above the new count leave (their half-done steps complete with the others), new ids are expected."""
+        job = self.job
+        if not job.min_workers <= world_size <= job.max_workers:
+            raise ShardError("FAILED_PRECONDITION", f"job restored with world size {job.world_size} cannot resume with "
+                                                    f"{world_size} workers outside [--min-workers {job.min_workers}, "
+                                                    f"--max-workers {job.max_workers}]")
+        for w in sorted(w for w in self.live if w >= world_size):
+            self.evict(w, f"job resumed with {world_size} workers")
+        with self.lock:
+            for w in range(job.world_size, world_size):
+                self._admit(w)
+                self.last_seen[w] = time.monotonic()
+            log.warning("shard %d: job resumed from a checkpoint with %d workers (was %d); live workers %s",
+                        self.shard_id, world_size, job.world_size, sorted(self.live))
+            job.world_size = world_size
+
+    def wait_while_paused(self, worker: int) -> None:
+        """Hold a push while the job is paused; past the wait timeout refuse it with reason PAUSED (the client
+        retries: a paused job waits for workers, it does not fail)."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        with self.members:
+            if not self.paused:
+                return
+            while self.paused:
+                now = time.monotonic()
+                if now - self._pause_logged >= PAUSE_LOG_EVERY_S:
+                    self._pause_logged = now
+                    log.warning("shard %d: job paused: %d live workers %s < --min-workers %d; waiting for workers "
+                                "to join", self.shard_id, len(self.live), sorted(self.live), self.job.min_workers)
+                if now >= deadline:
+                    raise ShardError("UNAVAILABLE", f"job paused: {len(self.live)} live workers < --min-workers "
+                                                    f"{self.job.min_workers}", reason=PAUSED)
+                self.members.wait(min(0.5, deadline - now))
+                self.touch(worker)
+            log.warning("shard %d: job resumed with live workers %s", self.shard_id, sorted(self.live))

@@ -10,13 +10,13 @@ import grpc
 
 from compression.base import CodecError
 from deltaps.errors import ShardError, abort
-from deltaps.layout import Key
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.pull_codec import DELTA, FULL
 from deltaps.security import Security
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from deltaps.wire import decode_chunk, fill_chunk, fill_chunk_from_tensor, unpack_chunk
 from protos import PROTOCOL_VERSION, pb, rpc
+from ps.buffers import key_from_spec
 from ps.handlers import add_servicer
 from ps.shard import Shard
 
@@ -45,16 +45,18 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         if req.protocol_version != PROTOCOL_VERSION:
             raise ShardError("FAILED_PRECONDITION",
                              f"protocol version mismatch: worker speaks {req.protocol_version}, server {PROTOCOL_VERSION}")
-        keys = [Key(k.key, k.param, k.offset, k.numel, k.dtype, k.shard) for k in req.keys]
+        keys = [key_from_spec(k) for k in req.keys]
         initialized = self.shard.register(req.worker_id, req.world_size, req.num_shards, req.sync,
                                           OptimizerConfig.from_proto(req.optimizer), keys, req.layout_digest,
-                                          req.codec or "none", req.pull_codec or "auto")
+                                          req.codec or "none", req.pull_codec or "auto", req.min_workers,
+                                          req.max_workers)
         log.info("worker %d registered (world %d, sync %s, %d keys)", req.worker_id, req.world_size, req.sync,
                  len(keys))
         return pb.RegisterResponse(shard_id=self.shard.shard_id, initialized=initialized,
                                    codec=self.shard.codec, codec_epoch=self.shard.codec_epoch,
                                    server_id=self.shard.server_id, step=self.shard.worker_step(req.worker_id),
-                                   durable_step=self.shard.durable_step(req.worker_id))
+                                   durable_step=self.shard.durable_step(req.worker_id),
+                                   live_workers=sorted(self.shard.live))
 
     def _check_server_id(self, req) -> None:
         """A request addressed to an earlier incarnation of this shard is refused (ABORTED) so the client
@@ -124,6 +126,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         rep.kinds.extend(i[1] for i in items)
         rep.waited_s, rep.server_id = waited, self.shard.server_id
         rep.codec, rep.codec_epoch = self.shard.codec, self.shard.codec_epoch
+        rep.live_workers.extend(sorted(self.shard.live))
 
     @_guard
     def Barrier(self, req, context):

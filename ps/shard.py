@@ -17,20 +17,18 @@ from collections import Counter, deque
 import torch
 
 from compression.server import Decoded
-from deltaps.errors import NOT_LIVE_MEMBER, ShardError
+from deltaps.errors import NOT_LIVE_MEMBER, PAUSED, ShardError
 from deltaps.layout import Key
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.pull_codec import FULL, UNCHANGED, resolve_pull_codec
 from deltaps.sync import parse_sync
+from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView
 from ps.state import Job, KeyState
 
 log = logging.getLogger("deltaps.shard")
-
-
-
 
 NONFINITE_POLICIES = ("reject", "skip")
 
@@ -56,6 +54,10 @@ class Shard(Membership):
         self.keys: dict[str, KeyState] = {}
         self.live: set[int] = set()
         self.lock = threading.Lock()
+        self.members = threading.Condition(self.lock)   # notified when a worker joins (ends a pause)
+        self._pause_logged = -1e18
+        self.restored = False                      # until the first registration after load_state_dict
+        self.step_contributors = Counter()         # bsp: workers averaged per completed key-step -> count
         self.codec = "none"
         self.codec_epoch = 0
         self.pull_spec = "none"
@@ -66,12 +68,17 @@ class Shard(Membership):
 
     # ---- membership -------------------------------------------------------------------------
     def register(self, worker: int, world_size: int, num_shards: int, sync: str, opt: OptimizerConfig,
-                 keys: list[Key], digest: str, codec: str, pull_codec: str = "auto") -> bool:
+                 keys: list[Key], digest: str, codec: str, pull_codec: str = "auto", min_workers: int = 0,
+                 max_workers: int = 0) -> bool:
         if num_shards != self.num_shards:
             raise ShardError("FAILED_PRECONDITION",
                              f"worker {worker} expects {num_shards} shards, this server is one of {self.num_shards}")
-        if not 0 <= worker < world_size:
-            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} outside world size {world_size}")
+        if world_size < 1 or not 0 <= worker < max(world_size, max_workers):
+            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} outside world size {world_size}"
+                                                 + (f" / --max-workers {max_workers}" if max_workers else ""))
+        if not (min_workers or 1) <= world_size <= (max_workers or world_size) or min_workers < 0:
+            raise ShardError("INVALID_ARGUMENT", f"want 1 <= --min-workers {min_workers} <= world size {world_size} "
+                                                 f"<= --max-workers {max_workers} (0: 1 and the world size)")
         try:
             mode = parse_sync(sync)
             opt.validate()
@@ -81,9 +88,11 @@ class Shard(Membership):
         for k in keys:
             if k.shard != self.shard_id:
                 raise ShardError("INVALID_ARGUMENT", f"key {k.key} belongs to shard {k.shard}, not {self.shard_id}")
+        if self.restored and self.job is not None and world_size != self.job.world_size and self.elastic:
+            self.resize_after_restore(world_size)
         with self.lock:
             if self.job is None:
-                self.job = Job(world_size, mode, opt, digest, codec, pull_codec or "auto")
+                self.job = Job(world_size, mode, opt, digest, codec, pull_codec or "auto", min_workers, max_workers)
                 self.codec = codec
                 self.pull_spec = pull_spec
                 self.keys = {k.key: KeyState(k, torch.zeros(k.numel, dtype=torch.float32)) for k in keys}
@@ -91,8 +100,10 @@ class Shard(Membership):
                 now = time.monotonic()
                 self.last_seen = {w: now for w in self.live}   # not-yet-started workers get a full timeout
             else:
-                self._check_same_job(worker, world_size, mode, opt, digest, pull_codec)
+                self._check_same_job(worker, world_size, mode, opt, digest, pull_codec, min_workers, max_workers)
+                self.check_capacity(worker)
                 self._admit(worker)
+            self.restored = False
             self.touch(worker)
             return all(ks.initialized for ks in self.keys.values())
 
@@ -117,9 +128,9 @@ class Shard(Membership):
                 if ks.initialized:
                     continue
                 ks.value.copy_(v.view(-1).to(torch.float32))
-                ks.opt = KeyOptimizer(ks.value, job.optimizer)
-                if self.pull_spec != "none":
-                    ks.view = PullView(self.pull_spec, ks.value)
+                if not ks.spec.is_buffer:       # buffers: assigned, not optimised, pulled exactly (ps/buffers.py)
+                    ks.opt = KeyOptimizer(ks.value, job.optimizer)
+                    ks.view = PullView(self.pull_spec, ks.value) if self.pull_spec != "none" else None
                 ks.initialized = True
                 done += 1
                 ks.cond.notify_all()
@@ -140,6 +151,7 @@ class Shard(Membership):
             raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not a live member of the job "
                                                     f"(evicted or never registered; Register to rejoin)",
                              reason=NOT_LIVE_MEMBER)
+        self.wait_while_paused(worker)   # after the membership check: an evicted worker must hear it
         if step < 0:
             raise ShardError("INVALID_ARGUMENT", f"step must be >= 0, got {step}")
         self.touch(worker)
@@ -186,12 +198,16 @@ class Shard(Membership):
             if job.sync.kind == "bsp":
                 if ks.agg is None:
                     ks.agg = torch.zeros_like(ks.value)
-                if g is not None:
+                if ks.spec.is_buffer:
+                    buffers.take(ks, worker, g)
+                elif g is not None:
                     g.add_to(ks.agg)
                 ks.agg_from.add(worker)      # a skipped gradient counts as zero in this step's mean
                 self._maybe_complete_step(ks)
             else:
-                if g is not None:
+                if ks.spec.is_buffer:
+                    buffers.assign(ks, worker, g, self.live)
+                elif g is not None:
                     dense = torch.zeros_like(ks.value)
                     g.add_to(dense, 1.0 / max(1, len(self.live)))
                     ks.opt.apply(dense)
@@ -217,9 +233,13 @@ class Shard(Membership):
             self.touch(worker)
 
     def _maybe_complete_step(self, ks: KeyState) -> None:
-        if ks.agg_from and self.live <= ks.agg_from:
-            ks.opt.apply(ks.agg / len(ks.agg_from))
-            self.counters["grads_applied"] += 1
+        if ks.agg_from and self.live <= ks.agg_from and not self.paused:
+            self.step_contributors[len(ks.agg_from)] += 1
+            if ks.spec.is_buffer:
+                buffers.finish(ks)
+            else:
+                ks.opt.apply(ks.agg / len(ks.agg_from))
+                self.counters["grads_applied"] += 1
             ks.agg.zero_()
             ks.agg_from.clear()
             ks.version += 1
@@ -251,6 +271,9 @@ class Shard(Membership):
             with ks.cond:
                 while not (ks.initialized and ks.version >= min_version):
                     left = deadline - time.monotonic()
+                    if left <= 0 and self.paused:   # the client retries: a paused job waits
+                        raise ShardError("UNAVAILABLE", f"job paused: {len(self.live)} live workers < --min-workers "
+                                                        f"{self.job.min_workers}", reason=PAUSED)
                     if left <= 0:
                         raise ShardError("DEADLINE_EXCEEDED",
                                          f"key {ks.spec.key!r} still at version {ks.version} (want {min_version}, "
@@ -276,32 +299,6 @@ class Shard(Membership):
             return UNCHANGED, None
         return FULL, ks.value.clone()
 
-    # ---- barrier ---------------------------------------------------------------------------
-    def barrier(self, worker: int, name: str, timeout_s: float = 0.0, alive=None) -> float:
-        self._require_job()
-        self.touch(worker)
-        timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
-        t0 = time.monotonic()
-        with self._barrier_cond:
-            b = self._barriers.setdefault(name, {"gen": 0, "arrived": set()})
-            gen = b["gen"]
-            b["arrived"].add(worker)
-            if self.live <= b["arrived"]:
-                b["gen"] += 1
-                b["arrived"] = set()
-                self._barrier_cond.notify_all()
-            while b["gen"] == gen:
-                left = t0 + timeout - time.monotonic()
-                if left <= 0:
-                    b["arrived"].discard(worker)
-                    raise ShardError("DEADLINE_EXCEEDED", f"barrier {name!r} timed out after {timeout:.1f}s")
-                self._barrier_cond.wait(min(left, 0.5))
-                if alive is not None and not alive():
-                    b["arrived"].discard(worker)
-                    raise ShardError("CANCELLED", "the client waiting in the barrier went away")
-                self.touch(worker)
-        return time.monotonic() - t0
-
     # ---- control ---------------------------------------------------------------------------
     def set_codec(self, spec: str) -> tuple[str, int]:
         """Switch the job's codec; an 'auto' pull codec follows it (off when pushes go uncompressed)."""
@@ -315,7 +312,7 @@ class Shard(Membership):
                         if pull_spec == "none":
                             ks.view, ks.exact_since = None, ks.version
                         elif ks.view is None:
-                            ks.view = PullView(pull_spec, ks.value) if ks.initialized else None
+                            ks.view = PullView(pull_spec, ks.value) if ks.initialized and not ks.spec.is_buffer else None
                         else:   # keep the shared view; only the delta codec changes
                             ks.view.codec = PullView(pull_spec, ks.value[:0]).codec
                 self.pull_spec = pull_spec
@@ -354,6 +351,7 @@ class Shard(Membership):
             self.staleness.update(state["staleness"])
             now = time.monotonic()
             self.last_seen = {w: now for w in self.live}
+            self.restored = True
 
     def stats(self) -> dict:
         versions = [ks.version for ks in self.keys.values()] or [0]
@@ -371,4 +369,7 @@ class Shard(Membership):
             "server_id": self.server_id, "evictions": self.counters["evictions"],
             "nonfinite_skipped": self.counters["nonfinite_skipped"], "checkpoints": self.counters["checkpoints"],
             "checkpoint_version": self.checkpoint_version,
+            "step_contributors": [self.step_contributors.get(n, 0) for n in range(max(self.step_contributors, default=-1) + 1)],
+            "min_workers": self.job.min_workers if self.job else 0, "max_workers": self.job.max_workers if self.job else 0,
+            "paused": self.paused, "joins": self.counters["rejoins"],
         }

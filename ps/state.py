@@ -26,15 +26,25 @@ class Job:
     digest: str
     codec: str
     pull_codec: str = "auto"         # as configured; Shard.pull_spec is the one in force
+    min_workers: int = 0             # elastic: below this many live workers the job pauses (0: never pauses)
+    max_workers: int = 0             # elastic: ids below this may join while the job runs (0: world_size)
+    elastic: bool = False            # min/max given: joiners may report another world size, restores resize
+
+    def __post_init__(self):
+        self.elastic = self.elastic or bool(self.min_workers or self.max_workers)
+        self.min_workers = self.min_workers or 1
+        self.max_workers = self.max_workers or self.world_size
 
     def state_dict(self) -> dict:
         return {"world_size": self.world_size, "sync": str(self.sync), "optimizer": asdict(self.optimizer),
-                "digest": self.digest, "codec": self.codec, "pull_codec": self.pull_codec}
+                "digest": self.digest, "codec": self.codec, "pull_codec": self.pull_codec,
+                "min_workers": self.min_workers, "max_workers": self.max_workers, "elastic": self.elastic}
 
     @classmethod
     def from_state_dict(cls, d: dict) -> "Job":
         return cls(d["world_size"], parse_sync(d["sync"]), OptimizerConfig(**d["optimizer"]), d["digest"], d["codec"],
-                   d.get("pull_codec", "auto"))
+                   d.get("pull_codec", "auto"), d.get("min_workers", 0), d.get("max_workers", 0),
+                   d.get("elastic", False))
 
 
 @dataclass
@@ -54,7 +64,7 @@ class KeyState:
     def state_dict(self) -> dict:
         """A copy of everything that must survive a restart (the caller holds self.cond)."""
         s = self.spec
-        return {"spec": [s.key, s.param, s.offset, s.numel, s.dtype, s.shard],
+        return {"spec": [s.key, s.param, s.offset, s.numel, s.dtype, s.shard, s.role],
                 "value": self.value.clone(), "initialized": self.initialized, "version": self.version,
                 "pushed": dict(self.pushed), "agg": None if self.agg is None else self.agg.clone(),
                 "agg_from": sorted(self.agg_from),
@@ -68,7 +78,7 @@ class KeyState:
         ks.pushed = {int(w): int(n) for w, n in d["pushed"].items()}
         ks.agg = None if d["agg"] is None else d["agg"].clone()
         ks.agg_from = set(d["agg_from"])
-        if ks.initialized:
+        if ks.initialized and not ks.spec.is_buffer:     # buffer keys have no optimizer (ps/buffers.py)
             ks.opt = KeyOptimizer(ks.value, optimizer)
             if d["opt"] is not None:
                 ks.opt.load_state_dict(d["opt"])

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from compression.base import Payload, dtype_name
+from compression.base import NoneCodec, Payload, dtype_name
 from deltaps.errors import PSError, call
 from deltaps.layout import (
     DEFAULT_CHUNK_BYTES,
@@ -20,6 +20,7 @@ from deltaps.layout import (
     fused_message_bytes,
     layout_digest,
     message_batches,
+    role_for_buffers,
 )
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.pull_codec import DELTA, FULL
@@ -52,18 +53,22 @@ class PSClient:
                  optimizer: OptimizerConfig | None = None, codec: str = "none", compressor=None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout_s: float = 300.0, pull_codec: str = "auto", security=None,
-                 reconnect_deadline_s: float = 60.0, replay_steps: int = 256):
+                 reconnect_deadline_s: float = 60.0, replay_steps: int = 256, min_workers: int = 0,
+                 max_workers: int = 0):
         if not servers:
             raise ValueError("at least one server address is needed")
         check_message_limits(chunk_bytes, max_message_bytes)
         self.servers = list(servers)
         self.worker_id, self.world_size = worker_id, world_size
+        self.min_workers, self.max_workers = min_workers, max_workers   # elastic job bounds (0 = world_size)
+        self.live_workers: list[int] = list(range(world_size))          # as the shards last reported it
         self.sync = parse_sync(sync)
         self.optimizer = optimizer or OptimizerConfig()
         self.codec = codec
         self.codec_epoch = 0
         from compression import Compressor
         self.compressor = compressor or Compressor(codec)
+        self._raw = NoneCodec()
         self.chunk_bytes = chunk_bytes
         # raw data per PushPull message: its request and its answer (even a full-value one) stay below the limit
         self.fused_bytes = fused_message_bytes(chunk_bytes, max_message_bytes)
@@ -95,10 +100,15 @@ class PSClient:
         self.start_step = 0        # min over shards of RegisterResponse.step: where a (re)joining worker starts
 
     # ---- setup -----------------------------------------------------------------------------
-    def setup(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Register with every shard, let rank 0 initialise the keys, then pull the server's values."""
+    def setup(self, named: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]] = (),
+              buffer_sync: str = "broadcast") -> dict[str, torch.Tensor]:
+        """Register with every shard, let rank 0 initialise the keys, then pull the server's values.
+        buffers: model buffers the shards keep in sync as buffer_sync says (broadcast | average | local:
+        left out of the layout; see ps/buffers.py); they are pushed and pulled by name like parameters."""
         params = [(n, t.numel(), dtype_name(t.dtype)) for n, t in named]
-        self.layout = build_layout(params, len(self.servers), self.chunk_bytes)
+        role = role_for_buffers(buffer_sync)
+        bufs = [(n, t.numel()) for n, t in buffers] if role else []
+        self.layout = build_layout(params, len(self.servers), self.chunk_bytes, bufs, role)
         self.by_param = defaultdict(list)
         for k in self.layout:
             self.by_param[k.param].append(k)
@@ -107,20 +117,22 @@ class PSClient:
         self.optimizer.to_proto(opt_msg)
 
         def register(shard):
-            keys = [pb.KeySpec(key=k.key, param=k.param, offset=k.offset, numel=k.numel, dtype=k.dtype, shard=k.shard)
-                    for k in self.layout if k.shard == shard]
+            keys = [pb.KeySpec(key=k.key, param=k.param, offset=k.offset, numel=k.numel, dtype=k.dtype, shard=k.shard,
+                               role=k.role) for k in self.layout if k.shard == shard]
             req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
                                      world_size=self.world_size, num_shards=len(self.servers), sync=str(self.sync),
                                      optimizer=opt_msg, keys=keys, layout_digest=digest, codec=self.codec,
-                                     pull_codec=self.pull_codec)
+                                     pull_codec=self.pull_codec, min_workers=self.min_workers,
+                                     max_workers=self.max_workers)
             return self.sessions[shard].register(req)
 
         replies = list(self.pool.map(register, range(len(self.servers))))
         if replies:
             self._note_codec(replies[0].codec, replies[0].codec_epoch)
             self.start_step = min(rep.step for rep in replies)
+            self.live_workers = list(replies[0].live_workers) or self.live_workers
         if self.worker_id == 0:
-            values = dict(named)
+            values = dict(named) | {n: t.detach().to(torch.float32) for n, t in buffers}
             for shard, rep in enumerate(replies):
                 if not rep.initialized:
                     self._init_shard(shard, values)
@@ -156,6 +168,8 @@ class PSClient:
 
     # ---- push ------------------------------------------------------------------------------
     def _encode(self, k: Key, t: torch.Tensor, step: int) -> Payload:
+        if k.is_buffer:     # buffer values are assigned on the shard: never compressed, always float32
+            return self._raw.compress(t.to(torch.float32))
         return self.compressor.compress(k.key, t, step=step, seed=zlib.crc32(f"{k.key}/{step}/{self.worker_id}".encode()))
 
     def _fill_push(self, req, batch: list[Key], grads: dict[str, torch.Tensor], step: int) -> tuple[int, int]:
@@ -253,6 +267,8 @@ class PSClient:
                 self.view_versions[k.key] = v
         self.stats.add(pull_rpcs=1, bytes_pulled_wire=nbytes)
         self._note_codec(rep.codec, rep.codec_epoch)
+        if rep.live_workers:
+            self.live_workers = list(rep.live_workers)
         return rep.waited_s
 
     def pull(self, names=None, min_version: int = 0, out: dict[str, torch.Tensor] | None = None,

@@ -9,11 +9,13 @@
 
 The whole step never materialises the table: a worker holds unique-ids x dim floats. Rows live on shard
 id % num_shards (ps/embedding/ applies the row-wise optimizer there). `replace_embeddings(model, ...)`
-swaps the nn.Embedding modules a rule selects for PSEmbedding modules.
+swaps the nn.Embedding modules a rule selects for PSEmbedding modules. Shard restarts (from a checkpoint)
+and evictions are handled per shard by worker/embedding_session.py: reconnect, replay, rejoin.
 """
 from __future__ import annotations
 
 import fnmatch
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +28,8 @@ from deltaps.errors import call
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from protos import PROTOCOL_VERSION, pb, rpc
 from worker.client import CommStats
+from worker.embedding_session import EmbeddingSession
+from worker.session import SessionPolicy
 
 
 class EmbeddingClient:
@@ -33,7 +37,8 @@ class EmbeddingClient:
 
     def __init__(self, servers: list[str], worker_id: int, world_size: int, tables: list[TableSpec], *,
                  sync: str = "bsp", timeout_s: float = 300.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 chunk_bytes: int = 4 << 20, security=None):
+                 chunk_bytes: int = 4 << 20, security=None, reconnect_deadline_s: float = 60.0,
+                 replay_steps: int = 256):
         if not servers:
             raise ValueError("at least one server address is needed")
         from deltaps.security import Security
@@ -44,28 +49,23 @@ class EmbeddingClient:
         self.sync, self.timeout_s, self.chunk_bytes = sync, timeout_s, chunk_bytes
         self.channels = [self.security.channel(s, grpc_options(max_message_bytes)) for s in self.servers]
         self.stubs = [rpc.ParameterServerStub(ch) for ch in self.channels]
+        self.closed = threading.Event()
+        policy = SessionPolicy(worker_id, timeout_s + 30, reconnect_deadline_s, replay_steps)
+        self.sessions = [EmbeddingSession(stub, ch, addr, i, policy, self.closed)
+                         for i, (stub, ch, addr) in enumerate(zip(self.stubs, self.channels, self.servers))]
         self.pool = ThreadPoolExecutor(max_workers=max(4, 2 * self.n), thread_name_prefix="emb-client")
         self.stats = CommStats()
         self.versions = [0] * self.n
         self.memory_caps = [0] * self.n
 
-    def register(self, attempts: int = 120) -> int:
-        """Register the tables with every shard (waits for shards to come up); returns the min version."""
+    def register(self) -> int:
+        """Register the tables with every shard (waits up to the reconnect deadline for shards to come up);
+        returns the min version."""
         req = pb.RegisterEmbeddingRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
                                           world_size=self.world_size, num_shards=self.n, sync=self.sync)
         for t in self.tables.values():
             t.to_proto(req.tables.add())
-
-        def one(shard):
-            for i in range(attempts):
-                try:
-                    return self.stubs[shard].RegisterEmbedding(req, timeout=self.timeout_s)
-                except Exception as e:  # noqa: BLE001 - grpc.RpcError; retry only UNAVAILABLE
-                    import grpc
-                    if not isinstance(e, grpc.RpcError) or e.code() != grpc.StatusCode.UNAVAILABLE or i == attempts - 1:
-                        return call(self.stubs[shard].RegisterEmbedding, req, self.timeout_s)
-                    time.sleep(0.25)
-        reps = list(self.pool.map(one, range(self.n)))
+        reps = list(self.pool.map(lambda shard: self.sessions[shard].register(req), range(self.n)))
         for s, r in enumerate(reps):
             self.versions[s], self.memory_caps[s] = r.version, r.memory_cap_bytes
         return min(self.versions)
@@ -113,7 +113,7 @@ class EmbeddingClient:
                 req = pb.SparsePullRequest(worker_id=self.worker_id, min_version=min_version, timeout_s=self.timeout_s,
                                            rows=[pb.EmbeddingRows(table=n, ids=ids_to_bytes(i)) for n, _, i in batch])
                 t0 = time.perf_counter()
-                rep = call(self.stubs[shard].SparsePull, req, self.timeout_s + 30)
+                rep = self.sessions[shard].call("SparsePull", lambda req=req: req, self.timeout_s + 30)
                 self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,
                                bytes_pulled_wire=sum(len(r.values) for r in rep.rows),
                                bytes_pull_req=sum(len(r.ids) for r in req.rows))
@@ -141,7 +141,7 @@ class EmbeddingClient:
         def one(shard):
             req = pb.SparsePushRequest(worker_id=self.worker_id, step=step, grads=per_shard[shard])
             t0 = time.perf_counter()
-            rep = call(self.stubs[shard].SparsePush, req, self.timeout_s + 30)
+            rep = self.sessions[shard].push(req, self.timeout_s + 30)
             wire = sum(len(r.ids) + len(r.values) for r in req.grads)
             self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_wire=wire,
                            bytes_pushed_raw=wire, rows_pushed=sum(len(r.ids) // 8 for r in req.grads))
@@ -156,7 +156,15 @@ class EmbeddingClient:
         import json
         return [json.loads(call(s.EmbeddingStats, pb.EmbeddingStatsRequest(), 30).json) for s in self.stubs]
 
+    @property
+    def restarts(self) -> int:
+        """Shard restarts this client recovered from (re-registered and replayed)."""
+        return sum(s.restarts for s in self.sessions)
+
     def close(self) -> None:
+        self.closed.set()
+        for s in self.sessions:
+            s.close()
         self.pool.shutdown(wait=False)
         for ch in self.channels:
             ch.close()

@@ -5,6 +5,13 @@
     ... loss.backward(); opt.step()   # step() waits for pushes, pulls fresh parameters
 
 The wrapped optimizer's hyper-parameters configure the server-side optimizer; it never steps locally.
+
+Model buffers (BatchNorm running statistics, any registered buffer) are kept in sync through the shards
+as DDP's broadcast_buffers does: `buffers="broadcast"` (default) gives every worker rank 0's buffers at
+each step(), "average" the mean of the workers' buffers, "local" leaves them alone. DDP broadcasts rank
+0's buffers at the start of the forward that follows a synchronised backward; step() does it right after
+that backward, so every forward sees the same buffers as under DDP, and after the last step every
+worker holds rank 0's (the model DDP's rank 0 would save).
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ from concurrent.futures import Future
 
 import torch
 
-from deltaps.layout import DEFAULT_BUCKET_BYTES, make_buckets
+from deltaps.layout import DEFAULT_BUCKET_BYTES, make_buckets, role_for_buffers
 from deltaps.optimizer_config import OptimizerConfig
 from worker.client import PSClient
 
@@ -22,7 +29,8 @@ class DistributedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                  named_parameters=None, client: PSClient | None = None, servers=None, rank: int = 0,
                  world_size: int = 1, sync: str = "bsp", backward_passes_per_step: int = 1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, **client_kw):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, buffers: str = "broadcast", named_buffers=None,
+                 **client_kw):
         self.optimizer = optimizer
         named = list(named_parameters if named_parameters is not None else model.named_parameters())
         self.named = [(n, p) for n, p in named if p.requires_grad]
@@ -30,13 +38,18 @@ class DistributedOptimizer:
             raise ValueError("no trainable parameters to distribute")
         if bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
+        self.buffer_sync = buffers
+        self._buffer_model = model if named_buffers is None else None   # re-read each step, as DDP does
+        if named_buffers is None:
+            named_buffers = model.named_buffers() if model is not None else []
+        self.named_buffers = list(named_buffers) if role_for_buffers(buffers) else []   # [] for "local"
         self.client = client or PSClient(servers, rank, world_size, sync=sync,
                                          optimizer=OptimizerConfig.from_torch(optimizer), **client_kw)
         self.backward_passes_per_step = backward_passes_per_step
         self.clock = 0                      # steps completed
         self.codec_switches: list[tuple[int, str]] = []   # (first step using it, codec)
         self.timing = {"wait_s": 0.0, "blocked_s": 0.0, "steps": 0}
-        self._staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named}
+        self._staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named + self.named_buffers}
         # Fusion (DDP buckets / Horovod tensor fusion): a bucket goes out once all its gradients exist,
         # as one PushPull RPC per shard it touches (split only past the client's fused_bytes).
         self.buckets = make_buckets([(n, p.numel() * 4) for n, p in self.named], bucket_bytes)
@@ -44,9 +57,10 @@ class DistributedOptimizer:
         self._ready: dict[int, dict[str, torch.Tensor]] = {}   # bucket -> gradients produced so far
         self._pending: dict[int, list[Future]] = {}            # bucket -> its PushPull futures
         self._passes: dict[str, int] = {}
-        self.client.setup([(n, p.detach()) for n, p in self.named])
+        self.client.setup([(n, p.detach()) for n, p in self.named], [(n, b.detach()) for n, b in self.named_buffers],
+                          buffers)
         self.clock = self.client.start_step    # a worker (re)joining a running job starts at its current step
-        self._load(self.client.pull(out=self._staging, delta=True))
+        self.load(self.client.pull(out=self._staging, delta=True))
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in self.named]
 
     # ---- hooks -----------------------------------------------------------------------------
@@ -87,10 +101,11 @@ class DistributedOptimizer:
             b = self._bucket_of[name]
             if b not in self._pending and name not in self._ready.get(b, {}):
                 self.grad_ready(name, p.grad if p.grad is not None else torch.zeros_like(p))
+        self._pending[-1] = self._sync_buffers()
         t0 = time.perf_counter()
         waited = max((f.result() for fs in self._pending.values() for f in fs), default=0.0)
         blocked = time.perf_counter() - t0
-        self._load(self._staging)
+        self.load(self._staging)
         if self.client.apply_codec_switch():
             self.codec_switches.append((self.clock + 1, self.client.codec))
         self._pending.clear()
@@ -101,10 +116,28 @@ class DistributedOptimizer:
         self.timing["steps"] += 1
         return loss
 
-    def _load(self, values: dict[str, torch.Tensor]) -> None:
+    def _sync_buffers(self) -> list[Future]:
+        """Push this worker's buffers as they are after this step's forward passes and pull the values the
+        shards assign (rank 0's or the mean), like a bucket's PushPull; [] when buffers stay local."""
+        if not self.named_buffers:
+            return []
+        if self._buffer_model is not None:     # a module may have re-assigned a buffer since the last step
+            now = dict(self._buffer_model.named_buffers())
+            self.named_buffers = [(n, now[n]) for n, _ in self.named_buffers]
+        values = {n: b.detach().to("cpu", torch.float32).reshape(-1) for n, b in self.named_buffers}
+        step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
+        return [self.client.pool.submit(self.client.push_pull_keys, shard, keys, values, step, min_v, self._staging)
+                for shard, keys in self.client.keys_by_shard(values).items()]
+
+    def load(self, values: dict[str, torch.Tensor]) -> None:
+        """Copy pulled values (flat float32, by name) into the parameters and the synchronised buffers
+        (integer buffers rounded)."""
         with torch.no_grad():
             for n, p in self.named:
                 p.copy_(values[n].view_as(p))
+            for n, b in self.named_buffers:
+                v = values[n].view(b.shape)
+                b.copy_(v if b.is_floating_point() else v.round())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none:      # in-place zeroing must not race a push still reading the gradient

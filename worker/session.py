@@ -13,6 +13,8 @@
 * The buffer holds at most `replay_steps` distinct steps. Past that the oldest are dropped; should the
   shard then restart from a checkpoint older than the oldest kept push, recovery fails with DATA_LOSS
   (never silently): raise replay_steps or checkpoint more often.
+* Pause: an elastic job below --min-workers holds pushes and pulls; past the server's wait it answers
+  UNAVAILABLE with reason PAUSED, and the call is sent again (no reconnect deadline: pausing is not failing).
 * Eviction: a push refused because the worker is no longer live (evicted for silence) re-registers,
   which puts the worker back at the current version, and is retried (duplicates are acknowledged).
 """
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from deltaps.errors import NOT_LIVE_MEMBER, PSError, from_rpc_error
+from deltaps.errors import NOT_LIVE_MEMBER, PAUSED, PSError, from_rpc_error
 
 log = logging.getLogger("deltaps.client")
 
@@ -160,6 +162,10 @@ class ShardSession:
             try:
                 return self._stub_call(method, req, timeout)
             except PSError as e:
+                if e.reason == PAUSED and not self.closed.is_set():   # an elastic job waits for workers
+                    log.warning("worker %d: shard %d: %s; waiting", self.policy.worker_id, self.shard, e)
+                    t0 = None
+                    continue
                 evicted = (method in ("Push", "PushPull") and e.code == grpc.StatusCode.FAILED_PRECONDITION
                            and e.reason == NOT_LIVE_MEMBER)
                 if e.code not in RETRYABLE and e.code != grpc.StatusCode.ABORTED and not evicted:

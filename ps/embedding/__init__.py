@@ -19,6 +19,11 @@ as pushed with zero gradient); once every live worker pushed step t the shard co
 computes it for a dense table) and applies the optimizer once; the shard's version becomes t + 1.
 SparsePull(min_version=t) blocks until then. `asp` applies every push on arrival (scaled by 1/W) and
 never blocks pulls, as Persia does for its embedding PS; it is accepted but not what the bench uses.
+
+Reliability as for dense keys (docs/failure-semantics.md): the store's state_dict() is part of the shard's
+checkpoint (ps/durability.py) and restore() loads it into the store attach() configured; a silent worker is
+evicted (its own reaper, and ps/membership.py's evict), a registering one rejoins at the current version;
+a push re-sent after a restart (`replay`) may allocate the rows the restored shard lacks.
 """
 from ps.embedding.service import attach, handle_pull, handle_push, handle_register, handle_stats, store_of
 from ps.embedding.store import EmbeddingStore

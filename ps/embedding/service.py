@@ -4,21 +4,40 @@ from __future__ import annotations
 import json
 
 from deltaps.embedding import TableSpec, ids_from_bytes, rows_from_bytes, rows_to_bytes
+from deltaps.errors import EmbeddingError
 from ps.embedding.store import EmbeddingStore
+
+
+def _new_store(shard, memory_cap_bytes: int) -> EmbeddingStore:
+    return EmbeddingStore(shard.shard_id, shard.num_shards, memory_cap_bytes, shard.wait_timeout_s,
+                          worker_timeout_s=getattr(shard, "worker_timeout_s", 0.0))
 
 
 def store_of(shard, memory_cap_bytes: int | None = None) -> EmbeddingStore:
     """The shard's EmbeddingStore, created on first use (unlimited unless attach() set a cap)."""
     store = getattr(shard, "embedding", None)
     if store is None:
-        store = EmbeddingStore(shard.shard_id, shard.num_shards, memory_cap_bytes or 0, shard.wait_timeout_s)
-        shard.embedding = store
+        store = shard.embedding = _new_store(shard, memory_cap_bytes or 0)
     return store
 
 
 def attach(shard, memory_cap_bytes: int = 0) -> EmbeddingStore:
-    shard.embedding = EmbeddingStore(shard.shard_id, shard.num_shards, memory_cap_bytes, shard.wait_timeout_s)
-    return shard.embedding
+    """Give the shard an embedding store with this memory cap (`deltaps server --embedding-memory-cap`); a
+    store already there (restored from a checkpoint) keeps its rows and takes the cap."""
+    store = getattr(shard, "embedding", None)
+    if store is None:
+        return store_of(shard, memory_cap_bytes)
+    with store.cond:
+        store.memory_cap_bytes = int(memory_cap_bytes or 0)
+    return store
+
+
+def _check_server_id(shard, req) -> None:
+    """A request addressed to an earlier incarnation of this shard is refused (ABORTED): the client
+    re-registers and replays what the restart lost before anything else is applied."""
+    if req.server_id and req.server_id != shard.server_id:
+        raise EmbeddingError("ABORTED", f"shard {shard.shard_id} restarted (server_id {shard.server_id}, request "
+                                        f"for {req.server_id}); RegisterEmbedding again and replay")
 
 
 def handle_register(shard, req, pb):
@@ -26,10 +45,13 @@ def handle_register(shard, req, pb):
     version = store.register(req.worker_id, req.world_size, req.num_shards, req.sync or "bsp",
                              [TableSpec.from_proto(t) for t in req.tables])
     return pb.RegisterEmbeddingResponse(shard_id=shard.shard_id, version=version,
-                                        memory_cap_bytes=store.memory_cap_bytes, server_id=shard.server_id)
+                                        memory_cap_bytes=store.memory_cap_bytes, server_id=shard.server_id,
+                                        step=store.pushed.get(req.worker_id, 0),
+                                        durable_step=shard.durable_step(req.worker_id))
 
 
 def handle_pull(shard, req, pb):
+    _check_server_id(shard, req)
     store = store_of(shard)
     reqs = [(r.table, ids_from_bytes(r.ids)) for r in req.rows]
     values, version, waited = store.pull(req.worker_id, reqs, req.min_version, req.timeout_s)
@@ -39,6 +61,7 @@ def handle_pull(shard, req, pb):
 
 
 def handle_push(shard, req, pb):
+    _check_server_id(shard, req)
     store = store_of(shard)
     grads = []
     for r in req.grads:
@@ -46,8 +69,9 @@ def handle_push(shard, req, pb):
         t = store.table(r.table)
         grads.append((r.table, ids, rows_from_bytes(r.values, ids.numel(), t.spec.dim)))
     store.counters["bytes_received"] += sum(len(r.ids) + len(r.values) for r in req.grads)
-    dup, version = store.push(req.worker_id, req.step, grads)
-    return pb.SparsePushResponse(duplicate=dup, version=version)
+    dup, version = store.push(req.worker_id, req.step, grads, replay=req.replay)
+    return pb.SparsePushResponse(duplicate=dup, version=version, durable_step=shard.durable_step(req.worker_id),
+                                 server_id=shard.server_id)
 
 
 def handle_stats(shard, req, pb):

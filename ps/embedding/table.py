@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import torch
 
@@ -23,6 +24,32 @@ class ShardTable:
     @property
     def nbytes(self) -> int:
         return self.rows * self.spec.bytes_per_row
+
+    # -- state (checkpoints: ps/durability.py) --
+    def state_dict(self) -> dict:
+        """Plain types + tensors (copies): the spec, the global ids of the allocated rows in slot order,
+        their values and optimizer state, the optimizer step counter."""
+        local = (self.slot_of >= 0).nonzero().flatten()
+        ids = torch.empty(self.rows, dtype=torch.int64)
+        ids[self.slot_of[local]] = local * self.num_shards + self.shard_id
+        return {"spec": asdict(self.spec), "ids": ids, "values": self.values[:self.rows].clone(),
+                "state": [s[:self.rows].clone() for s in self.state], "opt_steps": self.opt_steps,
+                "rows_applied": self.rows_applied}
+
+    @classmethod
+    def from_state_dict(cls, d: dict, shard_id: int, num_shards: int) -> "ShardTable":
+        t = cls(TableSpec(**d["spec"]), shard_id, num_shards)
+        ids = d["ids"].to(torch.int64)
+        n = ids.numel()
+        if d["values"].shape != (n, t.spec.dim) or len(d["state"]) != len(t.state):
+            raise ValueError(f"table {t.spec.name}: checkpointed rows do not match its spec")
+        t.check_ids(ids)
+        t.rows = n
+        t.values = d["values"].clone()
+        t.state = [s.clone() for s in d["state"]]
+        t.slot_of[ids // num_shards] = torch.arange(n)
+        t.opt_steps, t.rows_applied = int(d["opt_steps"]), int(d["rows_applied"])
+        return t
 
     def check_ids(self, ids: torch.Tensor) -> None:
         if ids.numel() == 0:

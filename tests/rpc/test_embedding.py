@@ -166,6 +166,8 @@ def test_bsp_gate_and_empty_push_counts_as_zero(cluster_factory):
     assert all(r.duplicate for r in reps)
     v, _ = b.pull_rows({"t": ids}, min_version=1)
     torch.testing.assert_close(v["t"], torch.full((2, 4), -0.5))
+    a.close()
+    b.close()
 
 
 def test_bad_requests_are_refused(cluster_factory):

@@ -56,7 +56,8 @@ def distributed_optimizer(cfg: TrainConfig, model, servers: list[str], rank: int
                                 compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
                                 max_message_bytes=cfg.max_message_bytes, bucket_bytes=cfg.bucket_bytes,
                                 timeout_s=cfg.timeout_s, security=security,
-                                reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps)
+                                reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps,
+                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, buffers=cfg.buffer_sync)
 
 
 def load_params(named, values: dict[str, torch.Tensor]) -> None:
@@ -67,9 +68,9 @@ def load_params(named, values: dict[str, torch.Tensor]) -> None:
 
 
 def adopt_server_params(opt) -> None:
-    """Everyone has pushed everything: take the servers' final parameters into the model."""
+    """Everyone has pushed everything: take the servers' final parameters (and synchronised buffers) into the model."""
     opt.client.barrier("train-done")
-    load_params(opt.named, opt.client.pull(min_version=0))
+    opt.load(opt.client.pull(min_version=0))
 
 
 def save_model(cfg: TrainConfig, rank: int, model) -> None:

@@ -30,6 +30,7 @@ from worker.trainers.base import (
     adopt_server_params,
     distributed_optimizer,
     local_optimizer,
+    save_model,
 )
 from worker.trainers.collective import (
     AllreduceHookState,
@@ -180,7 +181,8 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
         spec = table_spec(cfg)
         client = EmbeddingClient(servers, rank, world_size, [replace(spec, name=n) for n in names], sync=cfg.sync,
                                  timeout_s=cfg.timeout_s, max_message_bytes=cfg.max_message_bytes,
-                                 chunk_bytes=cfg.chunk_bytes, security=security)
+                                 chunk_bytes=cfg.chunk_bytes, security=security,
+                                 reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps)
         client.register()
         embs = replace_embeddings(model, names, client)
         ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
@@ -219,6 +221,7 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
         for e in embs.values():
             e.min_version = min_v(cfg.steps)             # evaluate the table after the last step
         ev = evaluate(model, data)
+        save_model(cfg, rank, model)                     # the dense part (the table stays on the shards)
         c = client.stats.snapshot()
         sparse_sent, sparse_pulled = c.get("bytes_pushed_wire", 0), c.get("bytes_pulled_wire", 0)
         res = _result(cfg, run, ev, _logical_params(cfg, model), sparse_sent + ring["bytes"],

@@ -18,7 +18,7 @@ from worker.trainers.base import (
     distributed_optimizer,
     save_model,
 )
-from worker.workloads.digits import load_digits_split, worker_batches
+from worker.workloads.digits import elastic_batches, load_digits_split, worker_batches
 from worker.workloads.mlp import accuracy, make_mlp, param_count
 
 log = logging.getLogger("deltaps.worker")
@@ -76,7 +76,10 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
         log.warning("worker %d joined a running job at step %d", rank, opt.clock)
     if metrics is not None:
         metrics.attach(opt)
-    batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
+    if cfg.min_workers or cfg.max_workers:   # elastic: the data follows the live set
+        batches = elastic_batches(x_tr, y_tr, rank, lambda: opt.client.live_workers, cfg.batch_size, cfg.seed)
+    else:
+        batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
     fallbacks = []
     guard = LossGuard(cfg.fallback_factor, cfg.fallback_warmup_steps, cfg.fallback_loss_floor)
     run = RunRecorder(cfg, rank, f"worker {rank}", log)

@@ -26,3 +26,17 @@ def worker_batches(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int,
         for i in range(0, len(perm) - batch_size + 1, batch_size):
             b = perm[i:i + batch_size]
             yield x[b], y[b]
+
+
+def elastic_batches(x: torch.Tensor, y: torch.Tensor, rank: int, live, batch_size: int, seed: int):
+    """worker_batches over the live set: this worker takes the slice of its position among live() (the
+    sorted worker ids the shards last reported), re-sliced whenever the live set changes."""
+    current, it, changes = None, None, 0
+    while True:
+        members = sorted(live())
+        if rank not in members:
+            members = sorted(set(members) | {rank})   # not yet (or no longer) reported live: count ourselves
+        if members != current:
+            current, changes = members, changes + 1
+            it = worker_batches(x, y, current.index(rank), len(current), batch_size, seed + 7919 * changes)
+        yield next(it)

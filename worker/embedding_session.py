@@ -1,0 +1,148 @@
+"""Failure handling of the embedding client (worker/embedding.py): one EmbeddingSession per shard, with the
+dense path's semantics (worker/session.py, docs/failure-semantics.md) for SparsePull / SparsePush.
+
+* Reconnect: UNAVAILABLE / CANCELLED is retried with backoff until `reconnect_deadline_s`.
+* Restart detection: RegisterEmbedding returns the shard's `server_id`; every SparsePull / SparsePush
+  carries it and a restarted shard refuses requests meant for its predecessor with ABORTED.
+* Replay: every SparsePushRequest is kept until the shard reports it durable (`durable_step`). When the shard
+  comes back with a new server_id the session re-registers and re-sends the kept pushes in order, flagged
+  `replay` (rows the restored shard does not hold are allocated: their initial value is a pure function of
+  the row); the store's pushed table acknowledges those its checkpoint already holds and applies the rest.
+* Watch: a bsp step on the restored shard needs every worker's replay, and in hybrid mode a worker may sit in
+  the dense allreduce, making no call to the shard, while its peer waits on that shard for the step. So a
+  lost connection starts the recovery in the background (channel connectivity), not only on the next call.
+* Eviction: a push refused with reason NOT_LIVE_MEMBER re-registers (the worker rejoins at the shard's
+  current version) and is retried; a step already applied without it is acknowledged as a duplicate.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from deltaps.errors import NOT_LIVE_MEMBER, PSError
+from worker.session import RETRYABLE, ShardSession
+
+log = logging.getLogger("deltaps.client")
+
+
+class EmbeddingSession(ShardSession):
+    """Connection state of one embedding client to one shard (reuses ShardSession's backoff and buffer)."""
+
+    def __init__(self, stub, channel, addr: str, shard: int, policy, closed: threading.Event):
+        super().__init__(stub, addr, shard, policy, closed, on_restart=lambda shard: None)
+        self.channel = channel
+        self.next_step = 0            # 1 + the highest step pushed to this shard
+        self._connected = False
+        channel.subscribe(self._on_connectivity)
+
+    def register(self, req):
+        self.register_req = req
+        rep = self._with_backoff(lambda: self._stub_call("RegisterEmbedding", req, 30.0))
+        with self.lock:
+            self.server_id = rep.server_id
+            self.buffering = rep.durable_step >= 0
+            self.next_step = max(self.next_step, rep.step)
+        return rep
+
+    def recover(self, epoch_seen: int, t0: float, cause) -> None:
+        """Re-register (reconnecting with backoff); if the shard restarted, replay the kept pushes. A no-op
+        when another thread already recovered since `epoch_seen`."""
+        with self.lock:
+            if self.epoch != epoch_seen:
+                return
+            rep = self._with_backoff(lambda: self._stub_call("RegisterEmbedding", self.register_req, 30.0), t0)
+            if rep.server_id == self.server_id:
+                self.epoch += 1
+                return
+            self.restarts += 1
+            pending = [req for _, _, req in self.buffer]
+            log.warning("worker %d: shard %d (%s) restarted (server_id %s -> %s) at embedding step %d; replaying %d "
+                        "buffered embedding pushes (%s)", self.policy.worker_id, self.shard, self.addr,
+                        self.server_id or "-", rep.server_id, rep.step, len(pending), cause)
+            if rep.step < (pending[0].step if pending else self.next_step):
+                raise PSError(grpc.StatusCode.DATA_LOSS,
+                              f"shard {self.shard} at {self.addr} restarted at embedding step {rep.step} but this "
+                              f"worker pushed up to step {self.next_step - 1} and keeps pushes from step "
+                              f"{pending[0].step if pending else self.next_step} on (was the shard started with "
+                              f"--restore? replay_steps={self.policy.replay_steps}); those pushes are lost")
+            for req in pending:
+                again = type(req)()
+                again.CopyFrom(req)
+                again.server_id, again.replay = rep.server_id, True
+                try:
+                    resp = self._with_backoff(
+                        lambda again=again: self._stub_call("SparsePush", again, self.policy.timeout_s), t0)
+                except PSError as e:
+                    raise PSError(e.code, f"shard {self.shard} at {self.addr}: replaying embedding step {req.step} "
+                                          f"after a restart failed: {e}") from None
+                self.replayed += 1
+                self._trim(resp.durable_step)
+            self.server_id = rep.server_id
+            self.buffering = self.buffering and rep.durable_step >= 0
+            self.epoch += 1
+
+    def call(self, method: str, build, timeout: float):
+        """Send build() with the current server_id; recover and retry on connection loss, a restarted shard
+        (ABORTED) or, for pushes, eviction."""
+        t0 = None
+        while True:
+            with self.lock:
+                epoch = self.epoch
+                req = build()
+                req.server_id = self.server_id
+            try:
+                return self._stub_call(method, req, timeout)
+            except PSError as e:
+                evicted = (method == "SparsePush" and e.code == grpc.StatusCode.FAILED_PRECONDITION
+                           and e.reason == NOT_LIVE_MEMBER)
+                if (e.code not in RETRYABLE and e.code != grpc.StatusCode.ABORTED and not evicted) \
+                        or self.closed.is_set():
+                    raise
+                t0 = time.monotonic() if t0 is None else t0
+                if time.monotonic() - t0 > self.policy.reconnect_deadline_s:
+                    raise self._unreachable(t0, e) from None
+                if evicted:
+                    log.warning("worker %d: shard %d evicted us from its embedding tables; re-registering",
+                                self.policy.worker_id, self.shard)
+                self.recover(epoch, t0, e)
+
+    def push(self, req, timeout: float):
+        """Send one SparsePushRequest exactly once from the job's point of view (kept for replay)."""
+        with self.lock:
+            if self.buffering:
+                self.buffer.append((req.step, 0, req))
+                self._bound()
+            self.next_step = max(self.next_step, req.step + 1)
+        rep = self.call("SparsePush", lambda: req, timeout)
+        with self.lock:
+            self._trim(rep.durable_step)
+        return rep
+
+    # ---- watch ----------------------------------------------------------------------------------
+    def _on_connectivity(self, state) -> None:
+        """grpc's connectivity callback: a registered session whose connection dropped recovers in the
+        background (a worker inside a collective may not call this shard again before its peers need it)."""
+        if state == grpc.ChannelConnectivity.READY:
+            self._connected = True
+        elif (state in (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+              and self._connected and self.server_id and not self.closed.is_set()):
+            self._connected = False
+            threading.Thread(target=self._recover_in_background, args=(self.epoch,), daemon=True,
+                             name=f"emb-watch{self.shard}").start()
+
+    def _recover_in_background(self, epoch: int) -> None:
+        try:
+            self.recover(epoch, time.monotonic(), "connection lost")
+        except Exception as e:  # noqa: BLE001 - the training thread's next call reports it
+            if not self.closed.is_set():
+                log.warning("worker %d: background recovery of shard %d failed: %s", self.policy.worker_id,
+                            self.shard, e)
+
+    def close(self) -> None:
+        try:
+            self.channel.unsubscribe(self._on_connectivity)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
