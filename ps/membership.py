@@ -62,7 +62,7 @@ class Membership:
         return self.durable_hist[0].get(worker, 0)
 
     def touch(self, worker: int) -> None:
-        if self.job is not None and 0 <= worker < self.job.world_size:
+        if self.job is not None and 0 <= worker < max(self.job.world_size, self.job.max_workers):
             self.last_seen[worker] = time.monotonic()
 
     def evict(self, worker: int, reason: str = "") -> bool:

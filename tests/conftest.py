@@ -66,3 +66,12 @@ def _unit_tests_open_no_sockets(request, monkeypatch):
         raise AssertionError("a unit test opened a socket: it belongs in tests/rpc or tests/cluster")
     monkeypatch.setattr(socket, "socket", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Processes started by a test, killed at its end; their logs in tmp_path."""
+    from helpers import Procs
+    p = Procs(tmp_path)
+    yield p
+    p.cleanup()

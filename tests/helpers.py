@@ -1,6 +1,13 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
 import torch
 
 from deltaps.optimizer_config import OptimizerConfig
+from protos import pb, rpc
 from worker.client import PSClient
 
 
@@ -25,3 +32,71 @@ def walk_flags(parser, path=()):
             for opt in action.option_strings:
                 if opt.startswith("--") and opt != "--help":
                     yield path, opt
+
+
+# ---- real processes on loopback (tests/cluster) ----------------------------------------------------------
+DELTAPS = [sys.executable, "-m", "deltaps"]
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "demo.yaml")
+
+
+def server_proc(i, port, log, *flags):
+    return subprocess.Popen(DELTAPS + ["--log-level", "INFO", "server", "--port", str(port), "--shard-id", str(i),
+                                       "--num-shards", "2", *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def worker_proc(r, addrs, tmp, log, *flags):
+    return subprocess.Popen(DELTAPS + ["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", "2",
+                                       "--config", CONFIG, "--no-progress", "--result-json", str(tmp / f"w{r}.json"),
+                                       *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def stats(addr):
+    try:
+        rep = rpc.ParameterServerStub(grpc.insecure_channel(addr)).Stats(pb.StatsRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+    return rep if rep.num_keys else None
+
+
+def wait_version(addr, v, timeout=120):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = stats(addr)
+        if st is not None and st.min_version >= v:
+            return st
+        time.sleep(0.02)
+    raise TimeoutError(f"{addr} did not reach version {v}")
+
+
+def wait_up(addr, timeout=60):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            rpc.ParameterServerStub(grpc.insecure_channel(addr)).Stats(pb.StatsRequest(), timeout=1)
+            return
+        except grpc.RpcError:
+            time.sleep(0.05)
+    raise TimeoutError(addr)
+
+
+class Procs:
+    def __init__(self, tmp):
+        self.tmp, self.all = tmp, []
+
+    def log(self, name):
+        return open(self.tmp / f"{name}.log", "a")
+
+    def add(self, p):
+        self.all.append(p)
+        return p
+
+    def cleanup(self):
+        for p in self.all:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+    def tail(self):
+        return "\n".join(f"--- {f.name}\n" + "".join(f.read_text().splitlines(True)[-15:])
+                         for f in sorted(self.tmp.glob("*.log")))

@@ -3,93 +3,17 @@ kill -9 a worker (eviction, then rejoin), SIGTERM writes a final checkpoint."""
 import json
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-import grpc
 import pytest
 import torch
-from helpers import client, named
+from helpers import DELTAPS, ROOT, Procs, client, named, server_proc, stats, wait_up, wait_version, worker_proc
 
 from deltaps.tools.launch import free_port
-from protos import pb, rpc
 from ps.durability import restore_latest
 from ps.shard import Shard
 
 pytestmark = pytest.mark.slow
-DELTAPS = [sys.executable, "-m", "deltaps"]
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = str(ROOT / "configs" / "demo.yaml")
-
-
-def _server(i, port, log, *flags):
-    return subprocess.Popen(DELTAPS + ["--log-level", "INFO", "server", "--port", str(port), "--shard-id", str(i),
-                                       "--num-shards", "2", *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-
-
-def _worker(r, addrs, tmp, log, *flags):
-    return subprocess.Popen(DELTAPS + ["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", "2",
-                                       "--config", CONFIG, "--no-progress", "--result-json", str(tmp / f"w{r}.json"),
-                                       *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-
-
-def _stats(addr):
-    try:
-        rep = rpc.ParameterServerStub(grpc.insecure_channel(addr)).Stats(pb.StatsRequest(), timeout=2)
-    except grpc.RpcError:
-        return None
-    return rep if rep.num_keys else None
-
-
-def _wait_version(addr, v, timeout=120):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        st = _stats(addr)
-        if st is not None and st.min_version >= v:
-            return st
-        time.sleep(0.02)
-    raise TimeoutError(f"{addr} did not reach version {v}")
-
-
-def _wait_up(addr, timeout=60):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            rpc.ParameterServerStub(grpc.insecure_channel(addr)).Stats(pb.StatsRequest(), timeout=1)
-            return
-        except grpc.RpcError:
-            time.sleep(0.05)
-    raise TimeoutError(addr)
-
-
-class Procs:
-    def __init__(self, tmp):
-        self.tmp, self.all = tmp, []
-
-    def log(self, name):
-        return open(self.tmp / f"{name}.log", "a")
-
-    def add(self, p):
-        self.all.append(p)
-        return p
-
-    def cleanup(self):
-        for p in self.all:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-
-    def tail(self):
-        return "\n".join(f"--- {f.name}\n" + "".join(f.read_text().splitlines(True)[-15:])
-                         for f in sorted(self.tmp.glob("*.log")))
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 def _run_job(procs, tmp, steps, kill_at=None):
@@ -98,26 +22,26 @@ def _run_job(procs, tmp, steps, kill_at=None):
     addrs = [f"127.0.0.1:{p}" for p in ports]
     ckpt = tmp / "ckpt"
     sflags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "20", "--worker-timeout", "30"]
-    servers = [procs.add(_server(i, ports[i], procs.log(f"server{i}"), *sflags)) for i in range(2)]
+    servers = [procs.add(server_proc(i, ports[i], procs.log(f"server{i}"), *sflags)) for i in range(2)]
     for a in addrs:
-        _wait_up(a)
-    workers = [procs.add(_worker(r, addrs, tmp, procs.log(f"worker{r}"), "--steps", str(steps),
+        wait_up(a)
+    workers = [procs.add(worker_proc(r, addrs, tmp, procs.log(f"worker{r}"), "--steps", str(steps),
                                  "--reconnect-deadline-s", "60")) for r in range(2)]
     outage = None
     if kill_at is not None:
-        _wait_version(addrs[0], kill_at)
+        wait_version(addrs[0], kill_at)
         servers[0].send_signal(signal.SIGKILL)
         servers[0].wait(10)
         t_kill = time.monotonic()
         time.sleep(0.5)
-        servers[0] = procs.add(_server(0, ports[0], procs.log("server0-restored"), "--restore", str(ckpt),
+        servers[0] = procs.add(server_proc(0, ports[0], procs.log("server0-restored"), "--restore", str(ckpt),
                                        "--checkpoint-every-steps", "20", "--worker-timeout", "30"))
-        _wait_version(addrs[0], kill_at + 5)     # training moves on after the restart
+        wait_version(addrs[0], kill_at + 5)     # training moves on after the restart
         outage = time.monotonic() - t_kill
     for w in workers:
         assert w.wait(240) == 0, procs.tail()
     results = [json.loads((tmp / f"w{r}.json").read_text()) for r in range(2)]
-    stats = [_stats(a) for a in addrs]
+    stats = [stats(a) for a in addrs]
     for s in servers:
         s.send_signal(signal.SIGTERM)
         assert s.wait(30) == 0, procs.tail()
@@ -156,27 +80,27 @@ def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
     ports = [free_port(), free_port()]
     addrs = [f"127.0.0.1:{p}" for p in ports]
     for i in range(2):
-        procs.add(_server(i, ports[i], procs.log(f"server{i}"), "--worker-timeout", str(timeout)))
+        procs.add(server_proc(i, ports[i], procs.log(f"server{i}"), "--worker-timeout", str(timeout)))
     for a in addrs:
-        _wait_up(a)
-    workers = [procs.add(_worker(r, addrs, tmp_path, procs.log(f"worker{r}"), "--steps", str(steps)))
+        wait_up(a)
+    workers = [procs.add(worker_proc(r, addrs, tmp_path, procs.log(f"worker{r}"), "--steps", str(steps)))
                for r in range(2)]
-    before = _wait_version(addrs[0], 100)     # (a worker slower to start than the timeout may have been
+    before = wait_version(addrs[0], 100)     # (a worker slower to start than the timeout may have been
     v0, e0 = before.min_version, before.evictions   # evicted once and rejoined on Register: counted)
     workers[1].send_signal(signal.SIGKILL)
     t_kill = time.monotonic()
     workers[1].wait(10)
-    v_kill = _stats(addrs[0]).min_version
-    st = _wait_version(addrs[0], v_kill + 2, timeout=timeout + 10)
+    v_kill = stats(addrs[0]).min_version
+    st = wait_version(addrs[0], v_kill + 2, timeout=timeout + 10)
     resumed = time.monotonic() - t_kill
     print(f"\nworker 1 kill -9 at version {v_kill}: worker 0 made progress again after {resumed:.2f}s "
           f"(worker-timeout {timeout}s)")
     assert resumed <= timeout + 1.0, resumed
     assert list(st.live_workers) == [0] and st.evictions == e0 + 1 and v0 >= 100
-    workers[1] = procs.add(_worker(1, addrs, tmp_path, procs.log("worker1-rejoined"), "--steps", str(steps)))
+    workers[1] = procs.add(worker_proc(1, addrs, tmp_path, procs.log("worker1-rejoined"), "--steps", str(steps)))
     t0 = time.monotonic()
     while time.monotonic() - t0 < 60:
-        sts = [_stats(a) for a in addrs]
+        sts = [stats(a) for a in addrs]
         if all(s is not None and list(s.live_workers) == [0, 1] for s in sts):
             break
         time.sleep(0.05)
@@ -185,7 +109,7 @@ def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
     for w in workers:
         assert w.wait(240) == 0, procs.tail()
     res = [json.loads((tmp_path / f"w{r}.json").read_text()) for r in range(2)]
-    final = [_stats(a) for a in addrs]
+    final = [stats(a) for a in addrs]
     assert all(s.min_version == s.max_version == steps for s in final)
     assert final[0].pushes > p_before and len(res[1]["losses"]) > 0      # the rejoined worker's pushes count
     assert res[0]["final_test_accuracy"] >= 0.9
@@ -199,7 +123,7 @@ def test_sigterm_writes_a_final_checkpoint(procs, tmp_path):
                                                 "0", "--num-shards", "1", "--checkpoint-dir", str(ckpt)],
                                      stdout=procs.log("server"), stderr=subprocess.STDOUT, cwd=ROOT))
     addr = f"127.0.0.1:{port}"
-    _wait_up(addr)
+    wait_up(addr)
     params = named(7)
     with client([addr]) as cl:
         cl.setup(params)
