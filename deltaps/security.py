@@ -29,11 +29,11 @@ import ipaddress
 import logging
 import os
 import stat
-import threading
-import time
 from dataclasses import dataclass, field
 
 import grpc
+
+from deltaps.ratelimit import RefusalLog
 
 log = logging.getLogger("deltaps.security")
 
@@ -153,11 +153,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._digest = _digest(token)
         self._on_refusal = on_refusal
         self._exempt = tuple(exempt_prefixes)
-        self._log_every_s = log_every_s
-        self._lock = threading.Lock()
-        self._last_log = -1e18
-        self._suppressed = 0
-        self.rejected = 0
+        self.refusals = RefusalLog(log, log_every_s)   # one line per (peer, reason) per log_every_s
 
     def __repr__(self):
         return "TokenAuthInterceptor(<token>)"
@@ -197,16 +193,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         return grpc.unary_stream_rpc_method_handler(refuse)
 
     def _note(self, method: str, peer: str, reason: str) -> None:
-        """Log refusals, at most one line per log_every_s (a flood must not flood the log)."""
-        with self._lock:
-            self.rejected += 1
-            now = time.monotonic()
-            if now - self._last_log < self._log_every_s:
-                self._suppressed += 1
-                return
-            more, self._suppressed, self._last_log = self._suppressed, 0, now
-        log.warning("refused %s from %s: %s%s", method, peer, reason,
-                    f" (+{more} more refusals not logged)" if more else "")
+        self.refusals.refused(peer, reason, f"refused {method} from {peer}: {reason}")
 
 
 # ---- settings ------------------------------------------------------------------------------------

@@ -3,18 +3,21 @@
 grpc's generated registration parses requests in its own path: bytes that are not a valid message come
 back as INTERNAL (the server's fault, says the status) and write a full traceback to the log per request.
 Here each method receives the raw bytes; an undecodable body is refused with INVALID_ARGUMENT naming the
-RPC and the problem, and nothing is logged beyond the refusal count (`on_refusal`).
+RPC and the problem; it is counted (`on_refusal`) and logged at most once per peer per 10 s, without a traceback.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from deltaps.ratelimit import RefusalLog
 from protos import pb
 
 SERVICE = "deltaps.ParameterServer"
+REFUSALS = RefusalLog(logging.getLogger("deltaps.server"))   # one line per (peer, reason) per 10 s
 
 
 def method_types() -> dict[str, tuple[type, type]]:
@@ -29,11 +32,12 @@ def parsed(rpc: str, request_type: type, call: Callable, on_refusal: Callable[[s
         try:
             request = request_type.FromString(raw)
         except (DecodeError, ValueError, RuntimeError) as e:   # upb raises DecodeError; a few paths others
+            message = (f"{rpc}: the request body ({len(raw)} bytes) is not a valid {request_type.__name__} "
+                       f"message ({e or 'truncated or malformed'})")
             if on_refusal is not None:
                 on_refusal(rpc, "INVALID_ARGUMENT")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{rpc}: the request body ({len(raw)} bytes) is not a valid {request_type.__name__} "
-                          f"message ({e or 'truncated or malformed'})")
+            REFUSALS.refused(context.peer(), "undecodable request", f"refused from {context.peer()}: {message}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         return call(request, context)
     behaviour.__name__ = rpc
     return behaviour

@@ -68,6 +68,9 @@ class _ShardCollector:
                 ("deltaps_server_key_version_max", max(versions), "Highest key version (clock) on this shard"),
                 ("deltaps_server_keys", len(states), "Keys (parameter chunks) held by this shard"),
                 ("deltaps_server_live_workers", len(sh.live), "Live workers of the registered job"),
+                ("deltaps_server_min_workers", sh.job.min_workers if sh.job else 0,
+                 "Elastic job: live workers below which it pauses (1 when not elastic)"),
+                ("deltaps_server_paused", int(sh.paused), "1 while an elastic job waits for workers to join"),
                 ("deltaps_server_codec_epoch", sh.codec_epoch, "Codec switches announced by this shard"),
         ):
             m = GaugeMetricFamily(name, doc, labels=["shard"])

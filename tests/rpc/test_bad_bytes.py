@@ -1,4 +1,5 @@
-"""Request bodies that are not valid protobuf, sent to every RPC through a raw channel (no generated stub):
+"""Request bodies that are not valid protobuf (random, truncated; one oversized), sent to every RPC through a raw
+channel (no generated stub):
 INVALID_ARGUMENT naming the RPC, never INTERNAL/UNKNOWN, no traceback in the log, every refusal counted
 in deltaps_server_rejected_requests_total, and the server still serves a valid request afterwards."""
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _rejected_total(registry) -> float:
 def test_undecodable_requests_are_invalid_argument_without_tracebacks(caplog):
     shard = Shard(0, 1)
     metrics = ServerMetrics(shard)
-    server, port = start_server(shard, "127.0.0.1", 0, metrics=metrics)
+    server, port = start_server(shard, "127.0.0.1", 0, metrics=metrics, max_message_bytes=1 << 20)
     httpd, _ = start_exporter(metrics.registry, 0)
     ch = grpc.insecure_channel(f"127.0.0.1:{port}")
     rng = random.Random(7)
@@ -61,11 +62,21 @@ def test_undecodable_requests_are_invalid_argument_without_tracebacks(caplog):
                             assert e.details().startswith(f"{name}: ") and types[name][0].__name__ in e.details()
         text = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records)
         assert "Traceback" not in text and "Exception deserializing" not in text
+        refusal_lines = [r for r in caplog.records if "refused" in r.getMessage()]
+        assert 1 <= len(refusal_lines) <= 2                        # one peer: one line per 10 s, not 469
         assert statuses.get("INVALID_ARGUMENT", 0) >= 12 * 10      # most of them are undecodable
         assert _rejected_total(metrics.registry) == refused
+        # oversized: gRPC itself refuses a body above --max-message-bytes before any handler runs
+        big = ch.unary_unary("/deltaps.ParameterServer/Push")
+        try:
+            big(b"\x0a" + b"\x00" * (1 << 20), timeout=10)
+            raise AssertionError("an oversized body was accepted")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
         stub = rpc.ParameterServerStub(ch)
         assert stub.Stats(pb.StatsRequest(), timeout=5).shard_id == 0      # still serving
-        print(f"\nbad-bytes fuzz: {12 * PER_RPC} requests, statuses {statuses}, {len(caplog.records)} log records")
+        print(f"\nbad-bytes fuzz: {12 * PER_RPC} requests, statuses {statuses}, {len(caplog.records)} log records, "
+              f"{len(refusal_lines)} refusal lines, rejected counter {_rejected_total(metrics.registry):.0f}")
     finally:
         stop_exporter(httpd)
         ch.close()
@@ -97,7 +108,8 @@ def test_token_refusals_are_counted_and_garbage_with_a_token_is_invalid_argument
         assert codes["UNIMPLEMENTED"] == 1                        # right token, unknown method
         assert _rejected_total(metrics.registry) == 2 * 13 + 12   # UNIMPLEMENTED is grpc's, not a refusal
         text = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records)
-        assert "Traceback" not in text and len([r for r in caplog.records if "refused" in r.getMessage()]) <= 2
+        # one line per (peer, reason): missing token, invalid token, undecodable body
+        assert "Traceback" not in text and len([r for r in caplog.records if "refused" in r.getMessage()]) <= 3
     finally:
         ch.close()
         server.stop(grace=None)
