@@ -25,6 +25,12 @@ class TrainConfig:
         "ps",
         "training mode: ps (parameter servers), allreduce (DDP ring-allreduce baseline), hybrid (embeddings "
         "on the PS, rest allreduced) or pipeline (pipeline stages x data-parallel replicas via the PS)")
+    ddp_hook: str = option(
+        "none",
+        "allreduce mode: DDP communication hook, as torch ships them: none (fp32 average), fp16, bf16, "
+        "powersgd:rank=R[:start=S] (PowerSGD with error feedback and warm start; plain allreduce before step S, "
+        "default 10) or localsgd:period=H[:start=S] (post-local SGD: no gradient allreduce from step S, default 1; "
+        "models averaged every H steps); see docs/compare.md")
     sync: str = option("bsp", "bsp, asp or ssp:S")
     servers: int = option(2, "number of PS shards (launch)")
     workers: int = option(2, "number of workers / world size (launch)")

@@ -186,8 +186,9 @@ class Membership:
                                                    f"--max-workers {job.max_workers}; worker {worker} not admitted")
 
     def resize_after_restore(self, world_size: int) -> None:
-        """The first registration after a restore with another worker count re-bases the job on it: ids at or
-        above the new count leave (their half-done steps complete with the others), new ids are expected."""
+        """The first registration after a restore re-bases an elastic job on the registrant's worker count:
+        ids at or above it leave (their half-done steps complete with the others), ids below it are expected
+        (a full --worker-timeout to register), whoever the checkpoint had live."""
         job = self.job
         if not job.min_workers <= world_size <= job.max_workers:
             raise ShardError("FAILED_PRECONDITION", f"job restored with world size {job.world_size} cannot resume with "
@@ -196,11 +197,14 @@ class Membership:
         for w in sorted(w for w in self.live if w >= world_size):
             self.evict(w, f"job resumed with {world_size} workers")
         with self.lock:
-            for w in range(job.world_size, world_size):
-                self._admit(w)
+            before = sorted(self.live)
+            for w in range(world_size):
+                if w not in self.live:
+                    self._admit(w)
                 self.last_seen[w] = time.monotonic()
-            log.warning("shard %d: job resumed from a checkpoint with %d workers (was %d); live workers %s",
-                        self.shard_id, world_size, job.world_size, sorted(self.live))
+            if before != sorted(self.live) or world_size != job.world_size:
+                log.warning("shard %d: job resumed from a checkpoint with %d workers (was %d, live %s); live workers "
+                            "%s", self.shard_id, world_size, job.world_size, before, sorted(self.live))
             job.world_size = world_size
 
     def wait_while_paused(self, worker: int) -> None:

@@ -88,7 +88,7 @@ class Shard(Membership):
         for k in keys:
             if k.shard != self.shard_id:
                 raise ShardError("INVALID_ARGUMENT", f"key {k.key} belongs to shard {k.shard}, not {self.shard_id}")
-        if self.restored and self.job is not None and world_size != self.job.world_size and self.elastic:
+        if self.restored and self.job is not None and self.elastic:
             self.resize_after_restore(world_size)
         with self.lock:
             if self.job is None:

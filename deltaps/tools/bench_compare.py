@@ -1,17 +1,15 @@
-"""`deltaps bench compare`: ring allreduce (DDP) vs deltaps PS codecs, side by side, on a shaped network.
+"""`deltaps bench compare`: DDP (plain or with torch's comm hooks) vs deltaps PS codecs, side by side, on a
+shaped network:  deltaps bench compare --workers 4 --bandwidth 1gbit --modes ddp,ddp:fp16,ps:int8 --json o.json
 
-    deltaps bench compare --workers 4 --bandwidth 1gbit \
-        --modes allreduce,ps:none,ps:int8,ps:topk:ratio=0.01 --json out.json --plot out.png
+Each process (PS shard or worker) gets a network namespace of its own, linked to a bridge by a veth pair shaped
+with tbf in both directions (deltaps/tools/netns.py), so all traffic between processes crosses `--bandwidth` links.
+Modes run back to back in one invocation on the same topology, with the same model, data, seed, optimizer and
+steps; speed-ups and accuracy deltas are against the fp32 DDP run (`allreduce` or `ddp`) of the same invocation.
+Without root / iproute2, or with --no-shaping, everything runs on loopback and the report says so.
 
-Each process (PS shard or worker) gets a network namespace of its own, linked to a bridge by a
-veth pair shaped with tbf in both directions (deltaps/tools/netns.py), so all traffic between processes crosses
-`--bandwidth` links. Modes run back to back in one invocation on the same topology, with the same
-model, data, seed, optimizer and steps; speed-ups and accuracy deltas are against the allreduce run of
-the same invocation. Without root / iproute2, or with --no-shaping, everything runs on loopback and
-the report says so.
-
-Mode specs: `allreduce`; `ps` or `ps:<codec spec>` (split on the first colon: ps:topk:ratio=0.01 ->
-codec topk:ratio=0.01); `ps-asp:<codec spec>` for asynchronous PS.
+Mode specs: `ddp` (alias `allreduce`) or `ddp:<hook>` (torch's DDP comm hooks: fp16, bf16, powersgd:rank=R,
+localsgd:period=H; worker/trainers/ddp_hooks.py); `ps` or `ps:<codec spec>` (split on the first colon:
+ps:topk:ratio=0.01 -> codec topk:ratio=0.01); `ps-asp:<codec spec>` for asynchronous PS; `hybrid`.
 """
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ import yaml
 from deltaps.config import load_config
 from deltaps.tools import netns
 from deltaps.tools.launch import free_port, stop_processes, summarize, tail_file, wait_port_file, wait_workers
+from worker.trainers.ddp_hooks import parse_ddp_hook
 
 IN_FEATURES, CLASSES = 64, 10
 
@@ -50,19 +49,21 @@ def hidden_for_params(n: int, layers: int) -> int:
 
 
 def parse_mode(spec: str) -> dict:
-    """'allreduce' | 'ps[:codec]' | 'ps-asp[:codec]' -> TrainConfig overrides."""
+    """'ddp[:hook]' (alias 'allreduce[:hook]') | 'ps[:codec]' | 'ps-asp[:codec]' | 'hybrid' -> TrainConfig overrides."""
     head, _, codec = spec.strip().partition(":")
-    if head == "allreduce":
-        if codec:
-            raise ValueError(f"mode {spec!r}: allreduce takes no codec")
-        return {"mode": "allreduce"}
+    if head in ("ddp", "allreduce"):   # DDP, plain or with one of torch's comm hooks
+        try:
+            hook = str(parse_ddp_hook(codec or "none"))
+        except ValueError as e:
+            raise ValueError(f"mode {spec!r}: {e}") from None
+        return {"mode": "allreduce"} if hook == "none" else {"mode": "allreduce", "ddp_hook": hook}
     if head in ("ps", "ps-bsp", "ps-asp"):
         return {"mode": "ps", "sync": "asp" if head == "ps-asp" else "bsp", "codec": codec or "none"}
     if head == "hybrid":   # embeddings row-sparse on the PS, the rest allreduced (--workload ctr)
         if codec:
             raise ValueError(f"mode {spec!r}: hybrid takes no codec")
         return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr"}
-    raise ValueError(f"unknown mode spec {spec!r}; use allreduce, ps:<codec>, ps-asp:<codec> or hybrid")
+    raise ValueError(f"unknown mode spec {spec!r}; use ddp[:<hook>] (or allreduce), ps:<codec>, ps-asp:<codec> or hybrid")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,7 +179,7 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
         tot = max(1e-12, r["compute_s"] + r["comm_s"] + r["wait_s"])
         shares.append((r["compute_s"] / tot, r["comm_s"] / tot, r["wait_s"] / tot))
     out = {
-        "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "steps": cfg.steps,
+        "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "ddp_hook": cfg.ddp_hook, "steps": cfg.steps,
         "median_step_s": s["median_step_s"], "mean_step_s": s["mean_step_s"], "wall_s": s["wall_s"],
         "samples_per_s": s["samples_per_s"],
         "compute_share": sum(x[0] for x in shares) / W, "comm_share": sum(x[1] for x in shares) / W,
@@ -408,7 +409,7 @@ def compare(args) -> dict:
         netns.restore_signal_handlers(old)
     if args.keep_logs:
         print(f"logs: {tmp}")
-    ar = report["modes"].get("allreduce")
+    ar = report["modes"].get("allreduce", report["modes"].get("ddp"))    # the fp32 DDP run is the reference
     if ar and "error" not in ar:
         for m in report["modes"].values():
             if "error" in m:

@@ -41,11 +41,11 @@ def _run_job(procs, tmp, steps, kill_at=None):
     for w in workers:
         assert w.wait(240) == 0, procs.tail()
     results = [json.loads((tmp / f"w{r}.json").read_text()) for r in range(2)]
-    stats = [stats(a) for a in addrs]
+    final_stats = [stats(a) for a in addrs]
     for s in servers:
         s.send_signal(signal.SIGTERM)
         assert s.wait(30) == 0, procs.tail()
-    return results, stats, outage
+    return results, final_stats, outage
 
 
 def test_kill9_a_shard_mid_run_and_restore_it(procs, tmp_path):
@@ -60,12 +60,12 @@ def test_kill9_a_shard_mid_run_and_restore_it(procs, tmp_path):
     finally:
         ref_procs.cleanup()
     procs.tmp = crash_dir
-    got, stats, outage = _run_job(procs, crash_dir, steps, kill_at=120)
+    got, shard_stats, outage = _run_job(procs, crash_dir, steps, kill_at=120)
     print(f"\nshard 0 kill -9 at version 120: outage until training moved 5 steps on: {outage:.2f}s; "
           f"accuracy {got[0]['final_test_accuracy']:.4f} (reference without the crash "
           f"{ref[0]['final_test_accuracy']:.4f})")
     assert got[0]["final_test_accuracy"] >= 0.95
-    assert all(s.min_version == s.max_version == steps for s in stats)    # the shard's final version = steps
+    assert all(s.min_version == s.max_version == steps for s in shard_stats)    # the shard's final version = steps
     log = (crash_dir / "server0-restored.log").read_text()
     assert "restored from" in log
     for r in range(2):   # 0 lost, 0 double-applied: every loss identical to the run without the crash

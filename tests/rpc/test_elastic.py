@@ -105,3 +105,23 @@ def test_restored_job_resumes_with_another_worker_count():
     fixed = _job(lo=0, hi=0, world=2)         # not elastic: another world size is refused as before
     with pytest.raises(ShardError, match="world size"):
         fixed.register(0, 3, 1, "bsp", SGD, LAYOUT, "digest", "none", "none")
+
+
+@pytest.mark.parametrize("sync", ["asp", "ssp:1"])
+def test_asp_and_ssp_jobs_take_joiners_and_pause_too(sync):
+    shard = Shard(0, 1, wait_timeout_s=0.3)
+    for w in range(2):
+        shard.register(w, 2, 1, sync, SGD, LAYOUT, "digest", "none", "none", 2, 3)
+    shard.init([("w#0", torch.zeros(4))])
+    _push(shard, 0, 0, 2.0)                   # applied on arrival, scaled by 1/|live| = 1/2
+    assert torch.allclose(shard.keys["w#0"].value, torch.full((4,), -1.0))
+    shard.register(2, 2, 1, sync, SGD, LAYOUT, "digest", "none", "none", 2, 3)
+    assert shard.live == {0, 1, 2} and shard.worker_step(2) == 0
+    _push(shard, 2, 0, 3.0)                   # now 1/3
+    assert torch.allclose(shard.keys["w#0"].value, torch.full((4,), -2.0))
+    shard.evict(1, "test")
+    shard.evict(2, "test")
+    assert shard.paused
+    with pytest.raises(ShardError) as e:
+        _push(shard, 0, 1, 1.0)
+    assert e.value.reason == PAUSED

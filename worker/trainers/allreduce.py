@@ -18,9 +18,16 @@ Step-time split (how it is measured, per step, per rank):
   * compute = step time - comm - wait (forward, backward, optimizer step; communication that
     overlaps with backward is hidden and therefore counted as compute, which is what it costs).
   Across hosts the wait/comm split depends on clock synchronisation; their sum does not.
+  With --ddp-hook (torch's fp16/bf16/PowerSGD/post-local-SGD hooks, worker/trainers/ddp_hooks.py) the same
+  timing hook wraps torch's: ready = when DDP hands the bucket over, done = when that hook's future completes
+  (compression and decompression in its callbacks count as comm). Local SGD's periodic model average after
+  optimizer.step() is a blocking allreduce: its duration is added to blocked, and its start is that step's
+  ready time for the wait split.
 
-Bytes: a ring allreduce of G gradient bytes over p ranks sends (and receives) 2(p-1)/p * G per rank;
-bytes_pushed_* / bytes_pulled_wire report that model figure, with G measured from the buckets.
+Bytes: a ring allreduce of G bytes over p ranks sends (and receives) 2(p-1)/p * G per rank;
+bytes_pushed_* / bytes_pulled_wire report that model figure, with G = the bytes the hook hands to allreduce
+(fp32 gradient buckets; half of them for fp16/bf16; PowerSGD's uncompressed tensors + P and Q; local SGD:
+the parameters on averaging steps, nothing on the others).
 """
 from __future__ import annotations
 
@@ -34,13 +41,8 @@ import torch.nn.functional as F
 
 from deltaps.config import TrainConfig
 from worker.trainers.base import RunRecorder, local_optimizer, save_model
-from worker.trainers.collective import (
-    AllreduceHookState,
-    init_process_group,
-    resolve_backend,
-    ring_bytes,
-    timed_allreduce_hook,
-)
+from worker.trainers.collective import AllreduceHookState, init_process_group, resolve_backend, ring_bytes
+from worker.trainers.ddp_hooks import install_hook, parse_ddp_hook
 from worker.workloads.digits import load_digits_split, worker_batches
 from worker.workloads.mlp import accuracy, make_mlp, param_count
 
@@ -55,6 +57,7 @@ TIMING_METHOD = ("ddp-comm-hook: blocked = backward return - last bucket ready; 
 def train_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1",
                     master_port: int = 29500, backend: str = "auto", bucket_cap_mb: float = 25.0) -> dict:
     torch.set_num_threads(1)
+    spec = parse_ddp_hook(cfg.ddp_hook)      # a bad --ddp-hook fails here, before the rendezvous
     backend = resolve_backend(backend)
     device = torch.device("cpu")
     if backend == "nccl":
@@ -62,7 +65,7 @@ def train_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_addr: s
         torch.cuda.set_device(device)
     init_process_group(cfg, rank, world_size, master_addr, master_port, backend)
     try:
-        return _train(cfg, rank, world_size, backend, device, bucket_cap_mb)
+        return _train(cfg, rank, world_size, backend, device, bucket_cap_mb, spec)
     finally:
         dist.destroy_process_group()
 
@@ -73,15 +76,23 @@ def _sync(device):
 
 
 def allreduce_extras(backend: str, bucket_cap_mb: float, grad_bytes_steps: list[int], world_size: int,
-                     params_max_diff: float) -> dict:
-    """train_allreduce's own result keys (RunResult.extras)."""
+                     params_max_diff: float, wire_steps: list[int] | None = None, hook: dict | None = None) -> dict:
+    """train_allreduce's own result keys (RunResult.extras). ring_bytes_per_step: the mean per step of the
+    ring figure of what was allreduced (wire_steps; default: every step's fp32 gradients)."""
     g = grad_bytes_steps[-1] if grad_bytes_steps else 0
+    wire = sum(wire_steps) / max(1, len(wire_steps)) if wire_steps is not None else ring_bytes(g, world_size)
+    hook = hook or {"ddp_hook": "none"}
+    method = TIMING_METHOD
+    if hook["ddp_hook"] != "none":
+        method += f"; hook {hook['ddp_hook']}: timed from bucket ready to its future done"
+        if hook["ddp_hook"].startswith("localsgd"):
+            method += "; blocked also counts the periodic model average after optimizer.step (ready = its start)"
     return {"backend": backend, "bucket_cap_mb": bucket_cap_mb, "grad_bytes_per_step": g,
-            "ring_bytes_per_step": ring_bytes(g, world_size), "params_max_diff_across_ranks": params_max_diff,
-            "timing_method": TIMING_METHOD}
+            "ring_bytes_per_step": wire, "params_max_diff_across_ranks": params_max_diff,
+            "timing_method": method, **hook}
 
 
-def _train(cfg, rank, world_size, backend, device, bucket_cap_mb) -> dict:
+def _train(cfg, rank, world_size, backend, device, bucket_cap_mb, spec) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     x_tr, y_tr, x_te, y_te = load_digits_split(cfg.seed)
@@ -89,7 +100,7 @@ def _train(cfg, rank, world_size, backend, device, bucket_cap_mb) -> dict:
     model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb)
     state = AllreduceHookState(world_size)
-    ddp.register_comm_hook(state, timed_allreduce_hook)
+    hook = install_hook(ddp, spec, state, backend)
     opt = local_optimizer(cfg, ddp.parameters())
     batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
     ready_wall, grad_bytes = [], []
@@ -106,11 +117,17 @@ def _train(cfg, rank, world_size, backend, device, bucket_cap_mb) -> dict:
         t_bwd_wall, t_bwd = time.time(), time.perf_counter()
         opt.step()
         _sync(device)
+        averaged = hook.after_step(ddp.parameters())     # local SGD: the periodic model average, else None
         end = time.perf_counter()
-        ready_wall.append(state.ready_wall(t_bwd_wall))
-        run.comm(state.exposed_comm_s(t_bwd_wall, t_bwd - t0))
+        blocked, ready = state.exposed_comm_s(t_bwd_wall, t_bwd - t0), state.ready_wall(t_bwd_wall)
+        wire = ring_bytes(state.payload_bytes, world_size)
+        if averaged:
+            avg_s, ready, avg_bytes = averaged
+            blocked, wire = blocked + avg_s, wire + avg_bytes
+        ready_wall.append(ready)
+        run.comm(blocked)
         grad_bytes.append(state.bucket_bytes)
-        run.record(loss.item(), wire_bytes=ring_bytes(state.bucket_bytes, world_size), end=end)
+        run.record(loss.item(), wire_bytes=wire, end=end)
     # Who was ready last, per step: gather everybody's last-bucket timestamps (no cost during training).
     mine = torch.tensor(ready_wall, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
@@ -119,14 +136,16 @@ def _train(cfg, rank, world_size, backend, device, bucket_cap_mb) -> dict:
     run.wait_times = [min(b, max(0.0, s - r)) for b, s, r in zip(run.blocked_times, slowest, ready_wall)]
     acc = accuracy(model, x_te.to(device), y_te.to(device))
     save_model(cfg, rank, model)
-    # every rank must hold the same parameters after DDP training
+    # every rank must hold the same parameters after DDP training (local SGD: only right after an average)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     spread = flat.clone()
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     params_max_diff = (spread - flat).abs().max().item()
-    sent = sum(ring_bytes(b, world_size) for b in grad_bytes)
+    sent = sum(run.wire_steps)
+    raw = sum(ring_bytes(b, world_size) for b in grad_bytes)    # what plain fp32 DDP would have moved
     result = run.result(final_test_accuracy=acc, model_params=param_count(model),
-                        bytes_pushed_wire=int(sent), bytes_pushed_raw=int(sent), bytes_pulled_wire=int(sent),
-                        extras=allreduce_extras(backend, bucket_cap_mb, grad_bytes, world_size, params_max_diff))
+                        bytes_pushed_wire=int(sent), bytes_pushed_raw=int(raw), bytes_pulled_wire=int(sent),
+                        extras=allreduce_extras(backend, bucket_cap_mb, grad_bytes, world_size, params_max_diff,
+                                                run.wire_steps, hook.extras))
     dist.barrier()
     return result.to_dict()

@@ -47,15 +47,27 @@ def init_process_group(cfg, rank: int, world_size: int, master_addr: str, master
 
 
 class AllreduceHookState:
-    """Per-step state of timed_allreduce_hook; reset it (`new_step`) before each forward."""
+    """Per-step state of timed_allreduce_hook; reset it (`new_step`) before each forward.
+
+    By default the hook is DDP's averaging allreduce; `wrap(hook, state, payload)` makes it run another DDP
+    comm hook (torch's fp16/bf16/PowerSGD/post-local-SGD hooks, worker/trainers/ddp_hooks.py) under the same
+    timing: ready = when DDP hands the bucket to the hook, done = when the hook's future completes (backward()
+    returns only after every bucket's future is done)."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.last_ready = 0.0       # wall clock (time.time) of the latest bucket handed over this step
-        self.bucket_bytes = 0       # gradient bytes allreduced this step
+        self.bucket_bytes = 0       # gradient bytes handed to the hook this step
+        self.payload_bytes = 0      # bytes the hook allreduced this step (= bucket_bytes for the default)
+        self.inner = self.inner_state = self.payload = None
+
+    def wrap(self, hook, state, payload) -> None:
+        """Run hook(state, bucket) instead of the default allreduce; payload(bucket) -> the bytes it allreduces
+        for that bucket (called just before the hook)."""
+        self.inner, self.inner_state, self.payload = hook, state, payload
 
     def new_step(self) -> None:
-        self.last_ready, self.bucket_bytes = 0.0, 0
+        self.last_ready, self.bucket_bytes, self.payload_bytes = 0.0, 0, 0
 
     def ready_wall(self, bwd_end_wall: float) -> float:
         """When this rank's own backward compute ended: the last bucket's ready time (no bucket: backward's end)."""
@@ -68,10 +80,15 @@ class AllreduceHookState:
 
 
 def timed_allreduce_hook(state: AllreduceHookState, bucket):
-    """Same as DDP's default allreduce hook (average), plus a ready timestamp and a byte count."""
+    """Same as DDP's default allreduce hook (average), or the wrapped hook, plus a ready timestamp and byte counts."""
     state.last_ready = max(state.last_ready, time.time())
     buf = bucket.buffer()
-    state.bucket_bytes += buf.numel() * buf.element_size()
+    nbytes = buf.numel() * buf.element_size()
+    state.bucket_bytes += nbytes
+    if state.inner is not None:
+        state.payload_bytes += state.payload(bucket)
+        return state.inner(state.inner_state, bucket)
+    state.payload_bytes += nbytes
     buf.div_(state.world_size)
     fut = dist.all_reduce(buf, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
