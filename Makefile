@@ -29,7 +29,7 @@ demo: setup
 
 # ruff first (lint + import order, configured in pyproject.toml), then every test
 test: setup lint prometheus kubectl
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # tests/unit: no sockets, no processes; under a minute
 test-unit: setup

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 
 from deltaps.errors import PAUSED, ShardError
+from ps.reaper import reaper_tick, start_reaper
 
 log = logging.getLogger("deltaps.shard")
 
@@ -112,17 +112,8 @@ class Membership:
         """Background thread running evict_silent() (no-op without a worker timeout)."""
         if self.worker_timeout_s <= 0 or self._reaper is not None:
             return
-        tick = max(0.05, min(0.5, self.worker_timeout_s / 5))
-
-        def loop():
-            while True:
-                time.sleep(tick)
-                try:
-                    self.evict_silent()
-                except Exception:  # noqa: BLE001 - the reaper must never die
-                    log.exception("eviction check failed")
-        self._reaper = threading.Thread(target=loop, name=f"shard{self.shard_id}-reaper", daemon=True)
-        self._reaper.start()
+        self._reaper = start_reaper(f"shard{self.shard_id}-reaper", reaper_tick(self.worker_timeout_s),
+                                    self.evict_silent, log)
 
     def _check_same_job(self, worker, world_size, mode, opt, digest, pull_codec="auto", min_workers=0,
                         max_workers=0) -> None:

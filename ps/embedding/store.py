@@ -12,6 +12,7 @@ from compression.server import all_finite
 from deltaps.embedding import TableSpec
 from deltaps.errors import NOT_LIVE_MEMBER, EmbeddingError
 from ps.embedding.table import ShardTable, coalesce
+from ps.reaper import reaper_tick, start_reaper
 
 log = logging.getLogger("deltaps.embedding")
 COUNTERS = ("pushes", "duplicates", "pulls", "rows_pulled", "rows_pushed", "rejected_exhausted", "bytes_received",
@@ -129,17 +130,8 @@ class EmbeddingStore:
         """Background thread running evict_silent() (no-op without a worker timeout)."""
         if self.worker_timeout_s <= 0 or self._reaper is not None:
             return
-        tick = max(0.05, min(0.5, self.worker_timeout_s / 5))
-
-        def loop():
-            while True:
-                time.sleep(tick)
-                try:
-                    self.evict_silent()
-                except Exception:  # noqa: BLE001 - the reaper must never die
-                    log.exception("embedding eviction check failed")
-        self._reaper = threading.Thread(target=loop, name=f"shard{self.shard_id}-emb-reaper", daemon=True)
-        self._reaper.start()
+        self._reaper = start_reaper(f"shard{self.shard_id}-emb-reaper", reaper_tick(self.worker_timeout_s),
+                                    self.evict_silent, log)
 
     def _wait(self, ready, timeout: float, worker: int) -> bool:
         """cond.wait_for(ready, timeout), the waiting worker counting as alive meanwhile (cond held)."""

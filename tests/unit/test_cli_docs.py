@@ -1,8 +1,9 @@
 """The docs stay true as the CLI grows: docs/cli.md documents every flag of every command, and README.md
 stays a short front page (the two set-up commands first, links that resolve)."""
-import argparse
 import re
 from pathlib import Path
+
+from helpers import walk_flags
 
 from deltaps.cli import build_parser
 
@@ -11,19 +12,8 @@ README_PATH = ROOT / "README.md"
 CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
 
 
-def _walk(parser, path=()):
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield from _walk(sub, path + (name,))
-        else:
-            for opt in action.option_strings:
-                if opt.startswith("--") and opt != "--help":
-                    yield path, opt
-
-
 def _missing(parser, text, path=()):
-    return sorted({f"{' '.join(p)} {o}" for p, o in _walk(parser, path)
+    return sorted({f"{' '.join(p)} {o}" for p, o in walk_flags(parser, path)
                    if o not in text and not (o.startswith("--no-") and "--" + o[5:] in text)})
 
 
