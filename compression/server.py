@@ -61,10 +61,11 @@ def all_finite(t: torch.Tensor) -> bool:
 class Decoded:
     """A received gradient, dense or sparse (indices + values), validated but not densified."""
 
-    __slots__ = ("numel", "dense", "indices", "values")
+    __slots__ = ("numel", "dense", "indices", "values", "codec")
 
-    def __init__(self, numel: int, dense=None, indices=None, values=None):
+    def __init__(self, numel: int, dense=None, indices=None, values=None, codec: str | None = None):
         self.numel, self.dense, self.indices, self.values = numel, dense, indices, values
+        self.codec = codec      # the payload's codec name (None: built from a plain tensor)
 
     @property
     def sparse(self) -> bool:
@@ -90,9 +91,9 @@ def unpack_payload(payload: Payload) -> Decoded:
     try:
         if isinstance(codec, SparseCodec):
             n, idx, vals = codec._read(payload)
-            return Decoded(n, indices=idx, values=vals)
+            return Decoded(n, indices=idx, values=vals, codec=payload.codec)
         dense = codec.decompress(payload)
-        return Decoded(dense.numel(), dense=dense)
+        return Decoded(dense.numel(), dense=dense, codec=payload.codec)
     except CodecError:
         raise
     except _CORRUPT as e:

@@ -126,6 +126,8 @@ class TrainConfig:
         lo, hi = self.min_workers or 1, self.max_workers or self.workers
         if not 1 <= lo <= self.workers <= hi:
             raise ValueError(f"want 1 <= --min-workers {lo} <= --workers {self.workers} <= --max-workers {hi}")
+        if (self.ddp_hook or "none") != "none" and self.mode != "allreduce":   # its syntax: worker/trainers/ddp_hooks.py
+            raise ValueError(f"--ddp-hook {self.ddp_hook} applies to --mode allreduce only, not {self.mode}")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
         from deltaps.layout import role_for_buffers

@@ -202,6 +202,7 @@ class Shard(Membership):
                     buffers.take(ks, worker, g)
                 elif g is not None:
                     g.add_to(ks.agg)
+                    ks.opt.note_push(g)      # all-top-k steps are applied lazily (ps/optimizer.py)
                 ks.agg_from.add(worker)      # a skipped gradient counts as zero in this step's mean
                 self._maybe_complete_step(ks)
             else:
@@ -238,7 +239,7 @@ class Shard(Membership):
             if ks.spec.is_buffer:
                 buffers.finish(ks)
             else:
-                ks.opt.apply(ks.agg / len(ks.agg_from))
+                ks.opt.apply_step(ks.agg / len(ks.agg_from))
                 self.counters["grads_applied"] += 1
             ks.agg.zero_()
             ks.agg_from.clear()

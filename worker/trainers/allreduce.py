@@ -41,8 +41,14 @@ import torch.nn.functional as F
 
 from deltaps.config import TrainConfig
 from worker.trainers.base import RunRecorder, local_optimizer, save_model
-from worker.trainers.collective import AllreduceHookState, init_process_group, resolve_backend, ring_bytes
-from worker.trainers.ddp_hooks import install_hook, parse_ddp_hook
+from worker.trainers.collective import (
+    AllreduceHookState,
+    check_ddp_hook,
+    init_process_group,
+    register_timed_hook,
+    resolve_backend,
+    ring_bytes,
+)
 from worker.workloads.digits import load_digits_split, worker_batches
 from worker.workloads.mlp import accuracy, make_mlp, param_count
 
@@ -57,7 +63,7 @@ TIMING_METHOD = ("ddp-comm-hook: blocked = backward return - last bucket ready; 
 def train_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1",
                     master_port: int = 29500, backend: str = "auto", bucket_cap_mb: float = 25.0) -> dict:
     torch.set_num_threads(1)
-    spec = parse_ddp_hook(cfg.ddp_hook)      # a bad --ddp-hook fails here, before the rendezvous
+    check_ddp_hook(cfg.ddp_hook)      # a bad --ddp-hook fails here, before the rendezvous
     backend = resolve_backend(backend)
     device = torch.device("cpu")
     if backend == "nccl":
@@ -65,7 +71,7 @@ def train_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_addr: s
         torch.cuda.set_device(device)
     init_process_group(cfg, rank, world_size, master_addr, master_port, backend)
     try:
-        return _train(cfg, rank, world_size, backend, device, bucket_cap_mb, spec)
+        return _train(cfg, rank, world_size, backend, device, bucket_cap_mb)
     finally:
         dist.destroy_process_group()
 
@@ -92,7 +98,7 @@ def allreduce_extras(backend: str, bucket_cap_mb: float, grad_bytes_steps: list[
             "timing_method": method, **hook}
 
 
-def _train(cfg, rank, world_size, backend, device, bucket_cap_mb, spec) -> dict:
+def _train(cfg, rank, world_size, backend, device, bucket_cap_mb) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     x_tr, y_tr, x_te, y_te = load_digits_split(cfg.seed)
@@ -100,7 +106,7 @@ def _train(cfg, rank, world_size, backend, device, bucket_cap_mb, spec) -> dict:
     model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb)
     state = AllreduceHookState(world_size)
-    hook = install_hook(ddp, spec, state, backend)
+    hook = register_timed_hook(ddp, state, cfg.ddp_hook, backend)
     opt = local_optimizer(cfg, ddp.parameters())
     batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
     ready_wall, grad_bytes = [], []
@@ -123,7 +129,7 @@ def _train(cfg, rank, world_size, backend, device, bucket_cap_mb, spec) -> dict:
         wire = ring_bytes(state.payload_bytes, world_size)
         if averaged:
             avg_s, ready, avg_bytes = averaged
-            blocked, wire = blocked + avg_s, wire + avg_bytes
+            blocked, wire = blocked + avg_s, wire + ring_bytes(avg_bytes, world_size)
         ready_wall.append(ready)
         run.comm(blocked)
         grad_bytes.append(state.bucket_bytes)

@@ -1,5 +1,6 @@
 """torch.distributed plumbing shared by the trainers that run a process group (allreduce, hybrid, pipeline):
-rendezvous, process-group start, the timed DDP allreduce hook, the ring byte model, the server_stats barrier.
+rendezvous, process-group start, the timed DDP allreduce hook (optionally running one of torch's comm hooks,
+worker/trainers/ddp_hooks.py, inside it), the ring byte model, the server_stats barrier.
 
 Timing with the hook: a DDP communication hook timestamps each gradient bucket when autograd hands it over
 (`AllreduceHookState.last_ready`); backward() returns only after every bucket's allreduce finished, so
@@ -14,6 +15,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from worker.trainers.ddp_hooks import PeerHook, build_hook, parse_ddp_hook
 
 
 def ring_bytes(grad_bytes: int, world_size: int) -> int:
@@ -92,6 +95,21 @@ def timed_allreduce_hook(state: AllreduceHookState, bucket):
     buf.div_(state.world_size)
     fut = dist.all_reduce(buf, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
+
+
+def register_timed_hook(ddp, state: AllreduceHookState, ddp_hook: str = "none", backend: str = "gloo") -> PeerHook:
+    """Register timed_allreduce_hook on ddp, running the DDP comm hook `ddp_hook` names (--ddp-hook, parsed by
+    check_ddp_hook; worker/trainers/ddp_hooks.py) inside it. Collective: every rank calls it."""
+    peer = build_hook(parse_ddp_hook(ddp_hook), backend)
+    if peer.inner is not None:
+        state.wrap(peer.inner, peer.inner_state, peer.payload)
+    ddp.register_comm_hook(state, timed_allreduce_hook)
+    return peer
+
+
+def check_ddp_hook(ddp_hook: str) -> str:
+    """The canonical form of a --ddp-hook spec; ValueError naming the accepted specs if it is not one."""
+    return str(parse_ddp_hook(ddp_hook))
 
 
 def server_stats_when_done(client, rank: int) -> list | None:

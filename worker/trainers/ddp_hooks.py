@@ -16,6 +16,9 @@ Hook specs (`parse_ddp_hook`; `:` or `,` separate the parameters):
 
 Bytes: each hook's payload per bucket is what it hands to allreduce (`payload_fn`); train_allreduce turns
 payload bytes into the ring figure 2(p-1)/p x payload, as for plain DDP.
+
+The loops never import this module: collective.register_timed_hook builds the hook here and runs it inside
+its timing hook (this module imports nothing of worker.trainers).
 """
 from __future__ import annotations
 
@@ -27,9 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from worker.trainers.collective import ring_bytes, timed_allreduce_hook
-
-__all__ = ["HookSpec", "parse_ddp_hook", "install_hook", "PowerSGDState", "powersgd_hook", "orthogonalize"]
+__all__ = ["HookSpec", "parse_ddp_hook", "build_hook", "PeerHook", "PowerSGDState", "powersgd_hook", "orthogonalize"]
 
 POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
 LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
@@ -250,64 +251,59 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
 
 # ---- installing a hook on a DDP model --------------------------------------------------------------------
 class PeerHook:
-    """What train_allreduce needs from a hook: `after_step()` (local SGD's model average: (blocked s, ready wall
-    time, ring bytes) or None) and `extras` for the result."""
+    """A built hook: `inner(inner_state, bucket)` with `payload(bucket)` -> bytes it allreduces (inner None: DDP's
+    default averaging allreduce), `after_step()` (local SGD's model average: (blocked s, start wall time, bytes
+    averaged) or None) and `extras` for the result."""
 
-    def __init__(self, spec: HookSpec, impl: str, averager=None, param_bytes: int = 0, world_size: int = 1):
-        self.spec, self.impl, self.averager = spec, impl, averager
-        self.param_bytes, self.world_size = param_bytes, world_size
+    def __init__(self, spec: HookSpec, impl: str, inner=None, inner_state=None, averager=None):
+        self.spec, self.impl, self.inner, self.inner_state, self.averager = spec, impl, inner, inner_state, averager
+        self.payload = payload_fn(spec, inner_state) if inner is not None else None
 
     def after_step(self, params) -> tuple[float, float, int] | None:
         a = self.averager
         if a is None:
             return None
+        params = list(params)
         due = a.step >= a.warmup_steps and (a.step - a.warmup_steps) % a.period == 0
         t_wall, t0 = time.time(), time.perf_counter()
         a.average_parameters(params)
         if not due:
             return None
-        return time.perf_counter() - t0, t_wall, ring_bytes(self.param_bytes, self.world_size)
+        return time.perf_counter() - t0, t_wall, sum(p.numel() * p.element_size() for p in params)
 
     @property
     def extras(self) -> dict:
         return {"ddp_hook": str(self.spec), "ddp_hook_impl": self.impl}
 
 
-def install_hook(ddp, spec: HookSpec, timer, backend: str) -> PeerHook:
-    """Register spec's hook on ddp, wrapped by the timing hook of `timer` (collective.AllreduceHookState)."""
+def build_hook(spec: HookSpec, backend: str) -> PeerHook:
+    """spec's hook, ready to run inside a timing hook (collective.register_timed_hook). Collective: every rank
+    calls it (PowerSGD creates a process group of its own)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
-    world = dist.get_world_size()
     if spec.kind == "none":
-        ddp.register_comm_hook(timer, timed_allreduce_hook)
         return PeerHook(spec, "ddp default allreduce (timed copy)")
     if spec.kind in ("fp16", "bf16"):
         hook = default_hooks.fp16_compress_hook if spec.kind == "fp16" else default_hooks.bf16_compress_hook
-        timer.wrap(hook, None, payload_fn(spec, None))
-        ddp.register_comm_hook(timer, timed_allreduce_hook)
-        return PeerHook(spec, f"torch default_hooks.{hook.__name__}")
+        return PeerHook(spec, f"torch default_hooks.{hook.__name__}", hook, None)
     if spec.kind == "localsgd":
+        import warnings
+
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=None,
                                                      start_localSGD_iter=spec.start,
                                                      post_local_gradient_allreduce=False)
-        timer.wrap(post_localSGD_hook.post_localSGD_hook, state, payload_fn(spec, state))
-        ddp.register_comm_hook(timer, timed_allreduce_hook)
-        import warnings
         with warnings.catch_warnings():     # period 1 is allowed (it is the equivalence check with plain DDP)
             warnings.simplefilter("ignore")
             averager = PeriodicModelAverager(period=spec.period, warmup_steps=spec.start)
-        nbytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
-        return PeerHook(spec, "torch post_localSGD_hook + PeriodicModelAverager", averager, nbytes, world)
+        return PeerHook(spec, "torch post_localSGD_hook + PeriodicModelAverager", post_localSGD_hook.post_localSGD_hook,
+                        state, averager)
     impl = spec.impl if spec.impl != "auto" else ("torch" if backend == "nccl" else "deltaps")
     if impl == "torch":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=spec.rank,
                                             start_powerSGD_iter=spec.start, min_compression_rate=MIN_COMPRESSION_RATE,
                                             use_error_feedback=True, warm_start=True,
                                             orthogonalization_epsilon=ORTHO_EPS, random_seed=0)
-        timer.wrap(powerSGD_hook.powerSGD_hook, state, payload_fn(spec, state))
-        ddp.register_comm_hook(timer, timed_allreduce_hook)
-        return PeerHook(spec, "torch powerSGD_hook")
+        return PeerHook(spec, "torch powerSGD_hook", powerSGD_hook.powerSGD_hook, state)
     state = PowerSGDState(dist.group.WORLD, dist.new_group(backend=backend), spec.rank, spec.start)
-    timer.wrap(powersgd_hook, state, payload_fn(spec, state))
-    ddp.register_comm_hook(timer, timed_allreduce_hook)
-    return PeerHook(spec, "deltaps powersgd_hook (torch's PowerSGD math, non-blocking callbacks, own group for Q)")
+    return PeerHook(spec, "deltaps powersgd_hook (torch's PowerSGD math, non-blocking callbacks, own group for Q)",
+                    powersgd_hook, state)
