@@ -80,11 +80,11 @@ class KeyOptimizer:
         if c.weight_decay:
             g = g.add(self.value[idx], alpha=c.weight_decay)
         t = self.coord_steps[idx].add_(1)
-        self.coord_steps[idx] = t
         m = st["exp_avg"][idx].lerp_(g, 1 - c.beta1)
         v = st["exp_avg_sq"][idx].mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
-        st["exp_avg"][idx] = m
-        st["exp_avg_sq"][idx] = v
+        self.coord_steps.index_copy_(0, idx, t)
+        st["exp_avg"].index_copy_(0, idx, m)
+        st["exp_avg_sq"].index_copy_(0, idx, v)
         bc1 = 1 - torch.pow(c.beta1, t)
         bc2 = 1 - torch.pow(c.beta2, t)
         denom = v.sqrt().div_(bc2.sqrt()).add_(c.eps)
