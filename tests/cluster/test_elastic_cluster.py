@@ -65,7 +65,9 @@ def test_workers_join_and_leave_a_running_job(procs):
     assert live_after == [0, 1, 2]
     for s, c in zip(final, contributors):
         assert s.evictions >= 1 and s.joins >= 2
-        assert len(c) == 5 and c[2] > 0 and c[3] > 0 and c[4] > 0 and c[1] == 0   # means over 2, 4, then 3
+        # means over 2, 4, then 3 workers (a worker slower to start than --worker-timeout 3 s on a loaded box can
+        # be evicted once and rejoin, so a step averaged over 1 is possible too)
+        assert len(c) == 5 and c[2] > 0 and c[3] > 0 and c[4] > 0
         assert s.min_version == steps
     assert len(results[2]["losses"]) < steps                              # the joiner started mid-run
     assert all(r["final_test_accuracy"] >= 0.95 for r in results)
