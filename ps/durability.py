@@ -49,7 +49,8 @@ def durable_steps(state: dict) -> dict[int, int]:
     out: dict[int, int] = {}
     job = state["job"]
     if job is not None and state["keys"]:
-        out = {w: min(k["pushed"].get(w, 0) for k in state["keys"].values()) for w in range(job["world_size"])}
+        ids = range(max(job["world_size"], job.get("max_workers", 0)))   # elastic joiners push too
+        out = {w: min(k["pushed"].get(w, 0) for k in state["keys"].values()) for w in ids}
     emb = state.get("embedding")
     if emb is not None and emb["world_size"]:
         for w in range(emb["world_size"]):

@@ -46,6 +46,8 @@ def test_joins_leaves_and_the_bsp_mean_follow_the_live_set():
     assert shard.keys["w#0"].version == 1     # still waits for worker 3
     _push(shard, 3, 1, 6.0)
     assert shard.keys["w#0"].version == 2 and torch.allclose(shard.keys["w#0"].value, torch.full((4,), -5.0))
+    from ps.durability import durable_steps
+    assert durable_steps(shard.state_dict())[3] == 2      # a joiner's pushes become durable like the others'
     shard.evict(3, "test")                    # leaves: the next step is the mean over three
     for w, g in ((0, 3.0), (1, 3.0), (2, 6.0)):
         _push(shard, w, 2, g)
