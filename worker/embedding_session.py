@@ -22,14 +22,18 @@ import time
 
 import grpc
 
-from deltaps.errors import NOT_LIVE_MEMBER, PSError
-from worker.session import RETRYABLE, ShardSession
+from deltaps.errors import PSError
+from worker.session import ShardSession
 
 log = logging.getLogger("deltaps.client")
 
 
 class EmbeddingSession(ShardSession):
-    """Connection state of one embedding client to one shard (reuses ShardSession's backoff and buffer)."""
+    """Connection state of one embedding client to one shard (reuses ShardSession's backoff, buffer, retry
+    loop and registration; only the replay after a restart is its own)."""
+
+    REGISTER = "RegisterEmbedding"
+    PUSHES = ("SparsePush",)
 
     def __init__(self, stub, channel, addr: str, shard: int, policy, closed: threading.Event):
         super().__init__(stub, addr, shard, policy, closed, on_restart=lambda shard: None)
@@ -39,11 +43,8 @@ class EmbeddingSession(ShardSession):
         channel.subscribe(self._on_connectivity)
 
     def register(self, req):
-        self.register_req = req
-        rep = self._with_backoff(lambda: self._stub_call("RegisterEmbedding", req, 30.0))
+        rep = super().register(req)
         with self.lock:
-            self.server_id = rep.server_id
-            self.buffering = rep.durable_step >= 0
             self.next_step = max(self.next_step, rep.step)
         return rep
 
@@ -53,7 +54,7 @@ class EmbeddingSession(ShardSession):
         with self.lock:
             if self.epoch != epoch_seen:
                 return
-            rep = self._with_backoff(lambda: self._stub_call("RegisterEmbedding", self.register_req, 30.0), t0)
+            rep = self._with_backoff(lambda: self._stub_call(self.REGISTER, self.register_req, 30.0), t0)
             if rep.server_id == self.server_id:
                 self.epoch += 1
                 return
@@ -83,31 +84,6 @@ class EmbeddingSession(ShardSession):
             self.server_id = rep.server_id
             self.buffering = self.buffering and rep.durable_step >= 0
             self.epoch += 1
-
-    def call(self, method: str, build, timeout: float):
-        """Send build() with the current server_id; recover and retry on connection loss, a restarted shard
-        (ABORTED) or, for pushes, eviction."""
-        t0 = None
-        while True:
-            with self.lock:
-                epoch = self.epoch
-                req = build()
-                req.server_id = self.server_id
-            try:
-                return self._stub_call(method, req, timeout)
-            except PSError as e:
-                evicted = (method == "SparsePush" and e.code == grpc.StatusCode.FAILED_PRECONDITION
-                           and e.reason == NOT_LIVE_MEMBER)
-                if (e.code not in RETRYABLE and e.code != grpc.StatusCode.ABORTED and not evicted) \
-                        or self.closed.is_set():
-                    raise
-                t0 = time.monotonic() if t0 is None else t0
-                if time.monotonic() - t0 > self.policy.reconnect_deadline_s:
-                    raise self._unreachable(t0, e) from None
-                if evicted:
-                    log.warning("worker %d: shard %d evicted us from its embedding tables; re-registering",
-                                self.policy.worker_id, self.shard)
-                self.recover(epoch, t0, e)
 
     def push(self, req, timeout: float):
         """Send one SparsePushRequest exactly once from the job's point of view (kept for replay)."""

@@ -60,6 +60,9 @@ class ShardSession:
     It holds no reference to the client: the stub, the policy, the client's `closed` event and a callback
     for a shard restart are all it gets."""
 
+    REGISTER = "Register"                  # the RPC that (re)joins the job
+    PUSHES = ("Push", "PushPull")          # RPCs whose NOT_LIVE_MEMBER refusal means "re-register and retry"
+
     def __init__(self, stub, addr: str, shard: int, policy: SessionPolicy, closed: threading.Event,
                  on_restart: Callable[[int], None]):
         self.stub, self.addr, self.shard = stub, addr, shard
@@ -104,7 +107,7 @@ class ShardSession:
     def register(self, req):
         """First registration (setup)."""
         self.register_req = req
-        rep = self._with_backoff(lambda: self._stub_call("Register", req, 30.0))
+        rep = self._with_backoff(lambda: self._stub_call(self.REGISTER, req, 30.0))
         with self.lock:
             self.server_id = rep.server_id
             self.buffering = rep.durable_step >= 0
@@ -166,7 +169,7 @@ class ShardSession:
                     log.warning("worker %d: shard %d: %s; waiting", self.policy.worker_id, self.shard, e)
                     t0 = None
                     continue
-                evicted = (method in ("Push", "PushPull") and e.code == grpc.StatusCode.FAILED_PRECONDITION
+                evicted = (method in self.PUSHES and e.code == grpc.StatusCode.FAILED_PRECONDITION
                            and e.reason == NOT_LIVE_MEMBER)
                 if e.code not in RETRYABLE and e.code != grpc.StatusCode.ABORTED and not evicted:
                     raise
