@@ -62,12 +62,8 @@ class KeyOptimizer:
     def apply_sparse(self, idx: torch.Tensor, grad: torch.Tensor) -> None:
         """Lazy Adam on the coordinates idx (int64, unique) with gradient values grad: m, v, the per-
         coordinate step count and the value change only there (torch.optim.Adam's formula, per
-        coordinate bias correction). With every coordinate present each step it equals apply()."""
-        if self.cfg.name != "adam":
-            dense = torch.zeros_like(self.value)
-            dense[idx] = grad
-            self.apply(dense)
-            return
+        coordinate bias correction). With every coordinate present each step it equals apply(). Adam only:
+        apply_step() sends every other optimizer the dense way."""
         c = self.cfg
         st = self.opt.state[self.value]
         if not st:

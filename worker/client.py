@@ -89,10 +89,8 @@ class PSClient:
         self._seq = 0
         self._seq_lock = threading.Lock()
         # failure handling (worker/session.py): reconnect deadline, per-shard replay buffers
-        self.reconnect_deadline_s = reconnect_deadline_s
         if replay_steps < 1:
             raise ValueError(f"replay_steps must be >= 1, got {replay_steps}")
-        self.replay_steps = replay_steps
         self.closed = threading.Event()
         policy = SessionPolicy(worker_id, timeout_s, reconnect_deadline_s, replay_steps)
         self.sessions = [ShardSession(self.stubs[i], addr, i, policy, self.closed, self.on_shard_restart)

@@ -87,11 +87,14 @@ class DistributedOptimizer:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        grads = self._ready.pop(b)
+        self._pending[b] = self._push_pull(self._ready.pop(b), self.buckets[b])
+
+    def _push_pull(self, values: dict[str, torch.Tensor], names) -> list[Future]:
+        """One PushPull per shard the named values touch (keys in the order of `names`), in the background:
+        push them for this step and pull the next step's values into the staging buffers."""
         step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
-        self._pending[b] = [self.client.pool.submit(self.client.push_pull_keys, shard, keys, grads, step, min_v,
-                                                    self._staging)
-                            for shard, keys in self.client.keys_by_shard(self.buckets[b]).items()]
+        return [self.client.pool.submit(self.client.push_pull_keys, shard, keys, values, step, min_v, self._staging)
+                for shard, keys in self.client.keys_by_shard(names).items()]
 
     # ---- torch.optim surface ---------------------------------------------------------------
     @torch.no_grad()
@@ -125,9 +128,7 @@ class DistributedOptimizer:
             now = dict(self._buffer_model.named_buffers())
             self.named_buffers = [(n, now[n]) for n, _ in self.named_buffers]
         values = {n: b.detach().to("cpu", torch.float32).reshape(-1) for n, b in self.named_buffers}
-        step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
-        return [self.client.pool.submit(self.client.push_pull_keys, shard, keys, values, step, min_v, self._staging)
-                for shard, keys in self.client.keys_by_shard(values).items()]
+        return self._push_pull(values, values)
 
     def load(self, values: dict[str, torch.Tensor]) -> None:
         """Copy pulled values (flat float32, by name) into the parameters and the synchronised buffers
