@@ -68,6 +68,9 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
         forward_backward(ddp, opt, rank, step)
         opt.step()
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
+    # both ranks leave together: a rank tearing gloo down while its peer is still connected aborts the
+    # peer with "terminate called without an active exception" (seen in CI)
+    dist.barrier()
     dist.destroy_process_group()
 
 
