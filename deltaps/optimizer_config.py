@@ -46,3 +46,21 @@ class OptimizerConfig:
     @classmethod
     def from_proto(cls, msg) -> "OptimizerConfig":
         return cls(**{k: getattr(msg, k) for k in asdict(cls()).keys()})
+
+
+OUTER_OPTIMIZERS = ("avg", "sgd", "nesterov")
+
+
+def outer_optimizer_config(name: str, lr: float = 1.0, momentum: float = 0.0) -> OptimizerConfig:
+    """The shards' optimizer of a local-update job, applied to the workers' mean parameter delta
+    (anchor - local model): avg = SGD lr 1 (the new model is the mean of the local models), sgd = SGD with
+    lr and heavy-ball momentum, nesterov = SGD with lr and Nesterov momentum (DiLoCo's outer optimizer)."""
+    if name == "avg":
+        return OptimizerConfig("sgd", lr=1.0)
+    if name == "sgd":
+        return OptimizerConfig("sgd", lr=lr, momentum=momentum)
+    if name == "nesterov":
+        if not momentum > 0:
+            raise ValueError(f"outer optimizer nesterov needs --outer-momentum > 0, got {momentum}")
+        return OptimizerConfig("sgd", lr=lr, momentum=momentum, nesterov=True)
+    raise ValueError(f"unknown outer optimizer {name!r}; supported: {', '.join(OUTER_OPTIMIZERS)}")

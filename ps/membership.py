@@ -116,9 +116,11 @@ class Membership:
                                     self.evict_silent, log)
 
     def _check_same_job(self, worker, world_size, mode, opt, digest, pull_codec="auto", min_workers=0,
-                        max_workers=0) -> None:
+                        max_workers=0, local_steps=0) -> None:
         job = self.job
-        checks = [("sync mode", str(job.sync), str(mode)), ("optimizer", job.optimizer, opt),
+        # --local-steps before the optimizer: a mismatch there explains an optimizer mismatch too
+        checks = [("sync mode", str(job.sync), str(mode)), ("--local-steps", job.local_steps, local_steps),
+                  ("optimizer", job.optimizer, opt),
                   ("key layout digest", job.digest, digest), ("pull codec", job.pull_codec, pull_codec or "auto"),
                   ("--min-workers", job.min_workers, min_workers or 1),
                   ("--max-workers", job.max_workers, max_workers or job.world_size)]

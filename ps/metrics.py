@@ -56,6 +56,8 @@ class _ShardCollector:
                 ("deltaps_server_nonfinite_skipped", "nonfinite_skipped",
                  "Per-key NaN/Inf gradients acknowledged but not applied (--nonfinite skip)"),
                 ("deltaps_server_checkpoints", "checkpoints", "Checkpoints written by this server process"),
+                ("deltaps_server_outer_updates", "outer_updates",
+                 "Local-update jobs (--local-steps): outer-optimizer steps applied to keys"),
         ):
             m = CounterMetricFamily(name, doc, labels=["shard"])
             m.add_metric([sid], float(c.get(key, 0)))

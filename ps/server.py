@@ -49,7 +49,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         initialized = self.shard.register(req.worker_id, req.world_size, req.num_shards, req.sync,
                                           OptimizerConfig.from_proto(req.optimizer), keys, req.layout_digest,
                                           req.codec or "none", req.pull_codec or "auto", req.min_workers,
-                                          req.max_workers)
+                                          req.max_workers, local_steps=req.local_steps)
         log.info("worker %d registered (world %d, sync %s, %d keys)", req.worker_id, req.world_size, req.sync,
                  len(keys))
         return pb.RegisterResponse(shard_id=self.shard.shard_id, initialized=initialized,

@@ -69,7 +69,9 @@ class Shard(Membership):
     # ---- membership -------------------------------------------------------------------------
     def register(self, worker: int, world_size: int, num_shards: int, sync: str, opt: OptimizerConfig,
                  keys: list[Key], digest: str, codec: str, pull_codec: str = "auto", min_workers: int = 0,
-                 max_workers: int = 0) -> bool:
+                 max_workers: int = 0, *, local_steps: int = 0) -> bool:
+        """Admit a worker (the first one defines the job). local_steps > 0: a local-update job; its pushes
+        are parameter deltas (anchor - local model) and opt is the outer optimizer (docs/local-updates.md)."""
         if num_shards != self.num_shards:
             raise ShardError("FAILED_PRECONDITION",
                              f"worker {worker} expects {num_shards} shards, this server is one of {self.num_shards}")
@@ -79,6 +81,8 @@ class Shard(Membership):
         if not (min_workers or 1) <= world_size <= (max_workers or world_size) or min_workers < 0:
             raise ShardError("INVALID_ARGUMENT", f"want 1 <= --min-workers {min_workers} <= world size {world_size} "
                                                  f"<= --max-workers {max_workers} (0: 1 and the world size)")
+        if local_steps < 0:
+            raise ShardError("INVALID_ARGUMENT", f"--local-steps must be >= 0, got {local_steps}")
         try:
             mode = parse_sync(sync)
             opt.validate()
@@ -92,7 +96,8 @@ class Shard(Membership):
             self.resize_after_restore(world_size)
         with self.lock:
             if self.job is None:
-                self.job = Job(world_size, mode, opt, digest, codec, pull_codec or "auto", min_workers, max_workers)
+                self.job = Job(world_size, mode, opt, digest, codec, pull_codec or "auto", min_workers, max_workers,
+                               local_steps=local_steps)
                 self.codec = codec
                 self.pull_spec = pull_spec
                 self.keys = {k.key: KeyState(k, torch.zeros(k.numel, dtype=torch.float32)) for k in keys}
@@ -100,7 +105,8 @@ class Shard(Membership):
                 now = time.monotonic()
                 self.last_seen = {w: now for w in self.live}   # not-yet-started workers get a full timeout
             else:
-                self._check_same_job(worker, world_size, mode, opt, digest, pull_codec, min_workers, max_workers)
+                self._check_same_job(worker, world_size, mode, opt, digest, pull_codec, min_workers, max_workers,
+                                     local_steps)
                 self.check_capacity(worker)
                 self._admit(worker)
             self.restored = False
@@ -212,7 +218,7 @@ class Shard(Membership):
                     dense = torch.zeros_like(ks.value)
                     g.add_to(dense, 1.0 / max(1, len(self.live)))
                     ks.opt.apply(dense)
-                    self.counters["grads_applied"] += 1
+                    self._count_update()
                 version = min((ks.pushed.get(w, 0) for w in self.live), default=ks.version)
                 if version != ks.version:
                     ks.version = version
@@ -240,12 +246,17 @@ class Shard(Membership):
                 buffers.finish(ks)
             else:
                 ks.opt.apply_step(ks.agg / len(ks.agg_from))
-                self.counters["grads_applied"] += 1
+                self._count_update()
             ks.agg.zero_()
             ks.agg_from.clear()
             ks.version += 1
             self._publish(ks)
             ks.cond.notify_all()
+
+    def _count_update(self) -> None:
+        self.counters["grads_applied"] += 1
+        if self.job.local_steps:      # a local-update job's optimizer is its outer optimizer
+            self.counters["outer_updates"] += 1
 
     @staticmethod
     def _publish(ks: KeyState) -> None:
@@ -373,4 +384,5 @@ class Shard(Membership):
             "step_contributors": [self.step_contributors.get(n, 0) for n in range(max(self.step_contributors, default=-1) + 1)],
             "min_workers": self.job.min_workers if self.job else 0, "max_workers": self.job.max_workers if self.job else 0,
             "paused": self.paused, "joins": self.counters["rejoins"],
+            "local_steps": self.job.local_steps if self.job else 0, "outer_updates": self.counters["outer_updates"],
         }

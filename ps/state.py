@@ -29,6 +29,7 @@ class Job:
     min_workers: int = 0             # elastic: below this many live workers the job pauses (0: never pauses)
     max_workers: int = 0             # elastic: ids below this may join while the job runs (0: world_size)
     elastic: bool = False            # min/max given: joiners may report another world size, restores resize
+    local_steps: int = 0             # local-update job: pushes are parameter deltas, `optimizer` the outer one
 
     def __post_init__(self):
         self.elastic = self.elastic or bool(self.min_workers or self.max_workers)
@@ -38,13 +39,14 @@ class Job:
     def state_dict(self) -> dict:
         return {"world_size": self.world_size, "sync": str(self.sync), "optimizer": asdict(self.optimizer),
                 "digest": self.digest, "codec": self.codec, "pull_codec": self.pull_codec,
-                "min_workers": self.min_workers, "max_workers": self.max_workers, "elastic": self.elastic}
+                "min_workers": self.min_workers, "max_workers": self.max_workers, "elastic": self.elastic,
+                "local_steps": self.local_steps}
 
     @classmethod
     def from_state_dict(cls, d: dict) -> "Job":
         return cls(d["world_size"], parse_sync(d["sync"]), OptimizerConfig(**d["optimizer"]), d["digest"], d["codec"],
                    d.get("pull_codec", "auto"), d.get("min_workers", 0), d.get("max_workers", 0),
-                   d.get("elastic", False))
+                   d.get("elastic", False), d.get("local_steps", 0))
 
 
 @dataclass

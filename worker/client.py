@@ -54,7 +54,7 @@ class PSClient:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout_s: float = 300.0, pull_codec: str = "auto", security=None,
                  reconnect_deadline_s: float = 60.0, replay_steps: int = 256, min_workers: int = 0,
-                 max_workers: int = 0):
+                 max_workers: int = 0, local_steps: int = 0):
         if not servers:
             raise ValueError("at least one server address is needed")
         check_message_limits(chunk_bytes, max_message_bytes)
@@ -63,6 +63,7 @@ class PSClient:
         self.min_workers, self.max_workers = min_workers, max_workers   # elastic job bounds (0 = world_size)
         self.live_workers: list[int] = list(range(world_size))          # as the shards last reported it
         self.sync = parse_sync(sync)
+        self.local_steps = local_steps    # > 0: a local-update job (pushes are deltas, the optimizer is the outer one)
         self.optimizer = optimizer or OptimizerConfig()
         self.codec = codec
         self.codec_epoch = 0
@@ -121,7 +122,7 @@ class PSClient:
                                      world_size=self.world_size, num_shards=len(self.servers), sync=str(self.sync),
                                      optimizer=opt_msg, keys=keys, layout_digest=digest, codec=self.codec,
                                      pull_codec=self.pull_codec, min_workers=self.min_workers,
-                                     max_workers=self.max_workers)
+                                     max_workers=self.max_workers, local_steps=self.local_steps)
             return self.sessions[shard].register(req)
 
         replies = list(self.pool.map(register, range(len(self.servers))))

@@ -168,6 +168,15 @@ class WorkerMetrics:
         self.fallbacks = Counter("deltaps_worker_codec_fallbacks",
                                  "Automatic codec rollbacks this worker triggered, by reason", ["worker", "reason"],
                                  registry=r)
+        # local-update jobs (--local-steps): inner steps, rounds adopted, size of what a round pushes
+        self.local_steps = Counter("deltaps_worker_local_steps", "Inner steps taken (local-update jobs)", ["worker"],
+                                   registry=r).labels(*w)
+        self.outer_rounds = Counter("deltaps_worker_outer_rounds",
+                                    "Outer rounds (fragment rounds when streaming) pushed and adopted",
+                                    ["worker"], registry=r).labels(*w)
+        self.delta_norm = Gauge("deltaps_worker_delta_norm", "L2 norm of the last parameter delta pushed",
+                                ["worker"], registry=r).labels(*w)
+        self._rounds_seen = 0
         self.fallbacks.labels(self.worker, "nonfinite_loss")
         self.fallbacks.labels(self.worker, "loss_rise")
         self.last_step.set(time.time())
@@ -202,6 +211,12 @@ class WorkerMetrics:
         self.step_s.observe(step_seconds)
         self.steps.inc()
         self.samples.inc(samples)
+        local = getattr(self.opt, "local", None)
+        if local is not None:
+            self.local_steps.inc()
+            self.outer_rounds.inc(local.outer_rounds - self._rounds_seen)
+            self._rounds_seen = local.outer_rounds
+            self.delta_norm.set(local.last_delta_norm)
         if loss == loss and abs(loss) != float("inf"):
             self.loss.set(loss)
         self.last_step.set(time.time())

@@ -12,6 +12,13 @@ each step(), "average" the mean of the workers' buffers, "local" leaves them alo
 0's buffers at the start of the forward that follows a synchronised backward; step() does it right after
 that backward, so every forward sees the same buffers as under DDP, and after the last step every
 worker holds rank 0's (the model DDP's rank 0 would save).
+
+Local updates (`local_steps=H`, DiLoCo-style; worker/local_updates.py): the wrapped optimizer is the
+*inner* optimizer and steps locally; every H steps the worker pushes its parameter delta and the shards
+apply `outer` (a deltaps.optimizer_config.OptimizerConfig, default: the mean of the local models). What
+changes for a user: step() runs the wrapped optimizer; gradients never leave the worker; between rounds
+the workers' models differ (`synced` says when they agree); call flush() after the last step (the
+trainers do) so the final inner steps reach the shards.
 """
 from __future__ import annotations
 
@@ -21,8 +28,9 @@ from concurrent.futures import Future
 import torch
 
 from deltaps.layout import DEFAULT_BUCKET_BYTES, make_buckets, role_for_buffers
-from deltaps.optimizer_config import OptimizerConfig
+from deltaps.optimizer_config import OptimizerConfig, outer_optimizer_config
 from worker.client import PSClient
+from worker.local_updates import LocalUpdates
 
 
 class DistributedOptimizer:
@@ -30,6 +38,7 @@ class DistributedOptimizer:
                  named_parameters=None, client: PSClient | None = None, servers=None, rank: int = 0,
                  world_size: int = 1, sync: str = "bsp", backward_passes_per_step: int = 1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, buffers: str = "broadcast", named_buffers=None,
+                 local_steps: int = 0, stream_fragments: int = 1, outer: OptimizerConfig | None = None,
                  **client_kw):
         self.optimizer = optimizer
         named = list(named_parameters if named_parameters is not None else model.named_parameters())
@@ -43,13 +52,19 @@ class DistributedOptimizer:
         if named_buffers is None:
             named_buffers = model.named_buffers() if model is not None else []
         self.named_buffers = list(named_buffers) if role_for_buffers(buffers) else []   # [] for "local"
-        self.client = client or PSClient(servers, rank, world_size, sync=sync,
-                                         optimizer=OptimizerConfig.from_torch(optimizer), **client_kw)
+        if local_steps < 0 or (stream_fragments > 1 and not local_steps):
+            raise ValueError(f"want local_steps >= 0 and stream_fragments 1 unless local_steps > 0, got "
+                             f"{local_steps} and {stream_fragments}")
+        # the shards run the outer optimizer of a local-update job, else the wrapped one
+        server_opt = (outer or outer_optimizer_config("avg")) if local_steps else OptimizerConfig.from_torch(optimizer)
+        self.client = client or PSClient(servers, rank, world_size, sync=sync, optimizer=server_opt,
+                                         local_steps=local_steps, **client_kw)
         self.backward_passes_per_step = backward_passes_per_step
         self.clock = 0                      # steps completed
+        self.round = 0                      # server steps pushed (= clock unless local_steps)
         self.codec_switches: list[tuple[int, str]] = []   # (first step using it, codec)
         self.timing = {"wait_s": 0.0, "blocked_s": 0.0, "steps": 0}
-        self._staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named + self.named_buffers}
+        self.staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named + self.named_buffers}
         # Fusion (DDP buckets / Horovod tensor fusion): a bucket goes out once all its gradients exist,
         # as one PushPull RPC per shard it touches (split only past the client's fused_bytes).
         self.buckets = make_buckets([(n, p.numel() * 4) for n, p in self.named], bucket_bytes)
@@ -59,9 +74,12 @@ class DistributedOptimizer:
         self._passes: dict[str, int] = {}
         self.client.setup([(n, p.detach()) for n, p in self.named], [(n, b.detach()) for n, b in self.named_buffers],
                           buffers)
-        self.clock = self.client.start_step    # a worker (re)joining a running job starts at its current step
-        self.load(self.client.pull(out=self._staging, delta=True))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in self.named]
+        self.round = self.client.start_step    # a worker (re)joining a running job starts at its current step
+        self.clock = self.round * max(1, local_steps)
+        self.load(self.client.pull(out=self.staging, delta=True))
+        self.local = LocalUpdates(self, local_steps, stream_fragments) if local_steps else None
+        self._hooks = [] if self.local else [p.register_post_accumulate_grad_hook(self._make_hook(n))
+                                             for n, p in self.named]
 
     # ---- hooks -----------------------------------------------------------------------------
     def _make_hook(self, name: str):
@@ -87,39 +105,65 @@ class DistributedOptimizer:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        self._pending[b] = self._push_pull(self._ready.pop(b), self.buckets[b])
+        self._pending[b] = self.push_pull(self._ready.pop(b), self.buckets[b], self.round)
 
-    def _push_pull(self, values: dict[str, torch.Tensor], names) -> list[Future]:
+    def push_pull(self, values: dict[str, torch.Tensor], names, step: int) -> list[Future]:
         """One PushPull per shard the named values touch (keys in the order of `names`), in the background:
-        push them for this step and pull the next step's values into the staging buffers."""
-        step, min_v = self.clock, self.client.sync.pull_min_version(self.clock + 1)
-        return [self.client.pool.submit(self.client.push_pull_keys, shard, keys, values, step, min_v, self._staging)
+        push them as server step `step` and pull the next step's values into the staging buffers."""
+        min_v = self.client.sync.pull_min_version(step + 1)
+        return [self.client.pool.submit(self.client.push_pull_keys, shard, keys, values, step, min_v, self.staging)
                 for shard, keys in self.client.keys_by_shard(names).items()]
 
     # ---- torch.optim surface ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        if self.local:
+            return self._local_step(closure)
         loss = closure() if closure is not None else None
         for name, p in self.named:       # parameters backward did not reach still take part
             b = self._bucket_of[name]
             if b not in self._pending and name not in self._ready.get(b, {}):
                 self.grad_ready(name, p.grad if p.grad is not None else torch.zeros_like(p))
-        self._pending[-1] = self._sync_buffers()
+        self._pending[-1] = self.sync_buffers(self.round)
         t0 = time.perf_counter()
         waited = max((f.result() for fs in self._pending.values() for f in fs), default=0.0)
-        blocked = time.perf_counter() - t0
-        self.load(self._staging)
-        if self.client.apply_codec_switch():
-            self.codec_switches.append((self.clock + 1, self.client.codec))
+        self.note_blocked(time.perf_counter() - t0, waited)
+        self.load(self.staging)
         self._pending.clear()
         self._passes.clear()
-        self.clock += 1
-        self.timing["blocked_s"] += blocked
-        self.timing["wait_s"] += min(waited, blocked)
-        self.timing["steps"] += 1
+        self.round += 1
+        self._end_step()
         return loss
 
-    def _sync_buffers(self) -> list[Future]:
+    def _local_step(self, closure):
+        with torch.enable_grad():
+            loss = self.optimizer.step(closure)
+        self.local.after_inner_step()
+        self._end_step()
+        return loss
+
+    def _end_step(self) -> None:
+        if self.client.apply_codec_switch():
+            self.codec_switches.append((self.clock + 1, self.client.codec))
+        self.clock += 1
+        self.timing["steps"] += 1
+
+    def note_blocked(self, blocked: float, waited: float) -> None:
+        """A step was blocked on communication for `blocked` s, the server having waited `waited` s of it."""
+        self.timing["blocked_s"] += blocked
+        self.timing["wait_s"] += min(waited, blocked)
+
+    @property
+    def synced(self) -> bool:
+        """Every worker holds the same model now (always, unless a local-update round is in progress)."""
+        return self.local is None or self.local.synced
+
+    def flush(self) -> None:
+        """After the last step: a local-update job's unsynced inner steps take a last round (a no-op otherwise)."""
+        if self.local:
+            self.local.flush()
+
+    def sync_buffers(self, step: int) -> list[Future]:
         """Push this worker's buffers as they are after this step's forward passes and pull the values the
         shards assign (rank 0's or the mean), like a bucket's PushPull; [] when buffers stay local."""
         if not self.named_buffers:
@@ -128,7 +172,7 @@ class DistributedOptimizer:
             now = dict(self._buffer_model.named_buffers())
             self.named_buffers = [(n, now[n]) for n, _ in self.named_buffers]
         values = {n: b.detach().to("cpu", torch.float32).reshape(-1) for n, b in self.named_buffers}
-        return self._push_pull(values, values)
+        return self.push_pull(values, values, step)
 
     def load(self, values: dict[str, torch.Tensor]) -> None:
         """Copy pulled values (flat float32, by name) into the parameters and the synchronised buffers
@@ -136,6 +180,11 @@ class DistributedOptimizer:
         with torch.no_grad():
             for n, p in self.named:
                 p.copy_(values[n].view_as(p))
+        self.load_buffers(values)
+
+    def load_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        """Copy pulled buffer values into the synchronised buffers (integer buffers rounded)."""
+        with torch.no_grad():
             for n, b in self.named_buffers:
                 v = values[n].view(b.shape)
                 b.copy_(v if b.is_floating_point() else v.round())
@@ -151,6 +200,8 @@ class DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Wait for any in-flight push/pull (e.g. before evaluation)."""
+        if self.local:
+            self.local.finish_inflight()
         for fs in self._pending.values():
             for f in fs:
                 f.result()

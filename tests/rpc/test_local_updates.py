@@ -1,0 +1,144 @@
+"""Local-update training (DiLoCo-style, worker/local_updates.py) through real loopback shards: the outer
+optimizer on the shards against torch's own, H=1 against synchronous PS training, streaming fragments."""
+import grpc
+import pytest
+import torch
+from conftest import run_threads
+from torch import nn
+
+from deltaps.errors import PSError
+from deltaps.optimizer_config import OptimizerConfig, outer_optimizer_config
+from worker.local_updates import split_fragments
+from worker.optimizer import DistributedOptimizer
+
+WORLD, BATCH = 2, 16
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, 8, generator=g) * (1 + rank), torch.randint(0, 4, (BATCH,), generator=g)
+
+
+def loss_of(model, rank, step):
+    x, y = batch(rank, step)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def train_deltaps(cluster_factory, steps: int, lr: float, **kw):
+    """WORLD workers (threads) x steps of inner SGD through 2 shards; returns the models after flush()
+    and the final pull, and the cluster."""
+    c = cluster_factory(2)
+    models = [make_model() for _ in range(WORLD)]
+    opts = [DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=lr), m, servers=c.addrs, rank=r,
+                                 world_size=WORLD, timeout_s=30, **kw) for r, m in enumerate(models)]
+
+    def train(r):
+        for step in range(steps):
+            opts[r].zero_grad()
+            loss_of(models[r], r, step).backward()
+            opts[r].step()
+        opts[r].flush()
+        opts[r].client.barrier("done")
+        opts[r].load(opts[r].client.pull(min_version=0))
+
+    run_threads([lambda r=r: train(r) for r in range(WORLD)])
+    for o in opts:
+        o.close()
+    return models, c
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_h1_inner_sgd_outer_avg_equals_synchronous_ps_with_server_sgd(cluster_factory):
+    local, c = train_deltaps(cluster_factory, 12, 0.1, local_steps=1, outer=outer_optimizer_config("avg"))
+    sync, _ = train_deltaps(cluster_factory, 12, 0.1)
+    assert max_diff(local[0], local[1]) == 0.0
+    assert max_diff(local[0], sync[0]) < 1e-6
+    st = c.shards[0].stats()
+    assert st["local_steps"] == 1 and st["outer_updates"] == st["grads_applied"] > 0
+
+
+def reference_local_updates(steps: int, H: int, lr: float, outer: torch.optim.Optimizer, theta: list):
+    """The same job simulated with plain torch: WORLD local models of inner SGD from the global model,
+    every H steps the outer optimizer applied to the mean delta (theta - local) as the gradient."""
+    locals_ = [make_model() for _ in range(WORLD)]
+    inner = [torch.optim.SGD(m.parameters(), lr=lr) for m in locals_]
+    for step in range(steps):
+        for r in range(WORLD):
+            inner[r].zero_grad()
+            loss_of(locals_[r], r, step).backward()
+            inner[r].step()
+        if (step + 1) % H == 0 or step == steps - 1:
+            with torch.no_grad():
+                for i, t in enumerate(theta):
+                    t.grad = sum(t.detach() - list(m.parameters())[i].detach() for m in locals_) / WORLD
+            outer.step()
+            with torch.no_grad():
+                for m in locals_:
+                    for p, t in zip(m.parameters(), theta):
+                        p.copy_(t)
+    return theta
+
+
+def test_outer_nesterov_on_the_shards_equals_torch_sgd_nesterov_on_the_mean_delta(cluster_factory):
+    steps, H, lr = 14, 3, 0.1          # 4 full rounds and a last partial one (flush)
+    got, c = train_deltaps(cluster_factory, steps, lr, local_steps=H,
+                           outer=outer_optimizer_config("nesterov", lr=0.7, momentum=0.9))
+    theta = [p.detach().clone().requires_grad_(True) for p in make_model().parameters()]
+    ref = reference_local_updates(steps, H, lr, torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True), theta)
+    diff = max((p - t).abs().max().item() for p, t in zip(got[0].parameters(), ref))
+    print(f"\nouter nesterov: shards vs torch.optim.SGD(nesterov=True) on the mean delta: max |diff| {diff:.3g}")
+    assert diff < 1e-5
+    assert max_diff(got[0], got[1]) == 0.0
+    assert all(ks.version == 5 for sh in c.shards for ks in sh.keys.values())   # 4 rounds + the flush round
+    st = next(iter(c.shards[0].keys.values())).opt.state_dict()
+    assert st["state"] and "momentum_buffer" in st["state"][0]               # outer momentum lives on the shard
+
+
+def test_streaming_fragments_sync_staggered_and_end_equal(cluster_factory):
+    steps, H = 16, 4
+    got, c = train_deltaps(cluster_factory, steps, 0.1, local_steps=H, stream_fragments=2,
+                           outer=outer_optimizer_config("avg"), codec="int8")
+    assert max_diff(got[0], got[1]) == 0.0
+    versions = sorted({ks.version for sh in c.shards for ks in sh.keys.values()})
+    # fragment 0 syncs at inner steps 2, 6, 10, 14 (+ the flush round), fragment 1 at 4, 8, 12, 16
+    assert versions in ([4, 5], [5], [4]), versions
+    assert sum(sh.stats()["outer_updates"] for sh in c.shards) > 0
+
+
+def test_split_fragments_is_contiguous_and_covers_every_parameter():
+    named = list(make_model().named_parameters())
+    for f in range(1, len(named) + 1):
+        groups = split_fragments(named, f)
+        assert len(groups) == f and all(groups)
+        assert [n for g in groups for n in g] == [n for n, _ in named]
+    with pytest.raises(ValueError, match="stream-fragments"):
+        split_fragments(named, len(named) + 1)
+
+
+def test_a_worker_of_another_local_step_count_is_refused(cluster_factory):
+    c = cluster_factory(1)
+    m = make_model()
+    first = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, rank=0, world_size=2,
+                                 local_steps=4, outer=outer_optimizer_config("avg"), timeout_s=10)
+    with pytest.raises(PSError, match="--local-steps") as e:
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, rank=1, world_size=2,
+                             timeout_s=10, reconnect_deadline_s=2)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    first.close()
+
+
+def test_outer_optimizer_configs():
+    assert outer_optimizer_config("avg") == OptimizerConfig("sgd", lr=1.0)
+    assert outer_optimizer_config("nesterov", 0.7, 0.9) == OptimizerConfig("sgd", lr=0.7, momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="momentum"):
+        outer_optimizer_config("nesterov", 0.7, 0.0)
+    with pytest.raises(ValueError, match="unknown outer optimizer"):
+        outer_optimizer_config("adam")

@@ -1,0 +1,136 @@
+"""Local-update training (DiLoCo, Streaming DiLoCo) on the parameter servers.
+
+Each worker steps its own inner optimizer for H steps, then pushes its parameter *delta* for a round:
+delta = anchor - local model, where the anchor is the global model the worker last pulled (the client's
+pull staging, which is also the shared view delta pulls are applied to). The push goes through the codec
+with its error feedback like a gradient, the shards average the deltas (bsp) and apply the outer
+optimizer to the mean (`outer_optimizer_config`: avg = SGD lr 1 = the mean of the local models), and the
+worker adopts the new global model. Server steps count rounds, not inner steps.
+
+Streaming (fragments F > 1): the parameters are split into F contiguous groups of about equal size;
+fragment f syncs every H inner steps at offset (f+1)H/F, so one fragment is on the wire at a time. Its
+exchange overlaps the next inner step: at the step after the send the worker takes the new global values
+and keeps the progress made meanwhile (p = global + (p_now - p_at_send)).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+
+
+def split_fragments(named: list[tuple[str, torch.Tensor]], fragments: int) -> list[list[str]]:
+    """F contiguous groups of parameter names (model order), cut where the running element count crosses
+    k/F of the total (a parameter is never split); an even split by count if that leaves a group empty."""
+    if not 1 <= fragments <= len(named):
+        raise ValueError(f"--stream-fragments must be between 1 and the {len(named)} parameters, got {fragments}")
+    total = max(1, sum(p.numel() for _, p in named))
+    groups: list[list[str]] = [[] for _ in range(fragments)]
+    seen = 0
+    for n, p in named:
+        groups[min(fragments - 1, seen * fragments // total)].append(n)
+        seen += p.numel()
+    if all(groups):
+        return groups
+    k, r = divmod(len(named), fragments)
+    bounds = [f * k + min(f, r) for f in range(fragments + 1)]
+    return [[n for n, _ in named[bounds[f]:bounds[f + 1]]] for f in range(fragments)]
+
+
+class LocalUpdates:
+    """The outer loop of a local-update job, driven by DistributedOptimizer.step() after each inner step."""
+
+    def __init__(self, dopt, local_steps: int, fragments: int = 1):
+        if local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {local_steps}")
+        self.dopt, self.H = dopt, local_steps
+        self.fragments = split_fragments(dopt.named, fragments) if fragments > 1 else [[n for n, _ in dopt.named]]
+        F = len(self.fragments)
+        self.offsets = [((f + 1) * local_steps // F) % local_steps for f in range(F)]
+        self.overlap = F > 1
+        self.params = dict(dopt.named)
+        self.inner = 0                          # inner steps taken since the job's start (this worker)
+        self.rounds = [dopt.round] * F          # server step of each fragment's next round
+        self.synced_at = [0] * F                # inner step count at each fragment's last sync
+        self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor], float]] = {}
+        self.outer_rounds = 0                   # fragment rounds completed (metrics)
+        self.last_delta_norm = 0.0              # L2 norm of the last pushed delta (metrics)
+
+    # ---- schedule ------------------------------------------------------------------------------
+    def due(self, f: int) -> bool:
+        return self.inner % self.H == self.offsets[f] and self.inner >= (self.offsets[f] or self.H)
+
+    @property
+    def synced(self) -> bool:
+        """Every worker holds the same model: no local progress since the last sync, nothing in flight."""
+        return not self.inflight and all(s == self.inner for s in self.synced_at)
+
+    # ---- rounds --------------------------------------------------------------------------------
+    def after_inner_step(self) -> float:
+        """Called after each inner step: finish the exchange in flight, start the ones due; returns the
+        seconds blocked on communication."""
+        self.inner += 1
+        blocked = self.finish_inflight()
+        due = [f for f in range(len(self.fragments)) if self.due(f)]
+        for f in due:
+            self.send(f)
+        if not self.overlap:
+            blocked += self.finish_inflight()
+        return blocked
+
+    def send(self, f: int) -> None:
+        """Push fragment f's delta (anchor - local) for its next round and pull the new global values."""
+        d = self.dopt
+        staging = d.staging
+        deltas, sent, sq = {}, {}, 0.0
+        for n in self.fragments[f]:
+            p = self.params[n].detach().reshape(-1).to(torch.float32)
+            deltas[n] = staging[n] - p
+            sq += float(deltas[n].square().sum())
+            if self.overlap:
+                sent[n] = p.clone()
+        self.last_delta_norm = sq ** 0.5
+        step = self.rounds[f]
+        futures = d.push_pull(deltas, self.fragments[f], step)
+        if f == len(self.fragments) - 1:    # buffers ride with the last fragment: one round per H steps
+            futures += d.sync_buffers(step)
+        self.rounds[f] += 1
+        self.synced_at[f] = self.inner
+        self.inflight[f] = (futures, sent, time.perf_counter())
+
+    def finish_inflight(self) -> float:
+        """Wait for the exchanges in flight and adopt the new global values (keeping progress made since
+        the send where the exchange overlapped inner steps); returns seconds blocked."""
+        if not self.inflight:
+            return 0.0
+        d = self.dopt
+        t0 = time.perf_counter()
+        waited = max((fut.result() for fs, _, _ in self.inflight.values() for fut in fs), default=0.0)
+        blocked = time.perf_counter() - t0
+        with torch.no_grad():
+            for f, (_, sent, _) in self.inflight.items():
+                for n in self.fragments[f]:
+                    p, g = self.params[n], d.staging[n].view_as(self.params[n])
+                    if sent:
+                        p.add_(g - sent[n].view_as(p))   # p_now + (global - p_at_send)
+                    else:
+                        p.copy_(g)
+                self.outer_rounds += 1
+            d.load_buffers(d.staging)
+        self.inflight.clear()
+        d.note_blocked(blocked, waited)
+        return blocked
+
+    def flush(self) -> None:
+        """End of training: every fragment with local progress takes a last round (every worker calls
+        this after the same number of inner steps, so the rounds match), and the exchanges complete."""
+        self.finish_inflight()
+        overlap, self.overlap = self.overlap, False
+        try:
+            for f in range(len(self.fragments)):
+                if self.synced_at[f] != self.inner:
+                    self.send(f)
+            self.finish_inflight()
+        finally:
+            self.overlap = overlap
