@@ -16,17 +16,18 @@ from ps.shard import Shard
 pytestmark = pytest.mark.slow
 
 
-def _run_job(procs, tmp, steps, kill_at=None):
-    """2 shards + 2 workers, bsp, digits; optionally kill -9 shard 0 at version kill_at and restore it."""
+def _run_job(procs, tmp, steps, kill_at=None, worker_flags=(), every=20):
+    """2 shards + 2 workers, bsp, digits; optionally kill -9 shard 0 at version kill_at and restore it.
+    every: checkpoint interval in key versions; worker_flags: extra `deltaps worker` flags."""
     ports = [free_port(), free_port()]
     addrs = [f"127.0.0.1:{p}" for p in ports]
     ckpt = tmp / "ckpt"
-    sflags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "20", "--worker-timeout", "30"]
+    sflags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", str(every), "--worker-timeout", "30"]
     servers = [procs.add(server_proc(i, ports[i], procs.log(f"server{i}"), *sflags)) for i in range(2)]
     for a in addrs:
         wait_up(a)
     workers = [procs.add(worker_proc(r, addrs, tmp, procs.log(f"worker{r}"), "--steps", str(steps),
-                                 "--reconnect-deadline-s", "60")) for r in range(2)]
+                                 "--reconnect-deadline-s", "60", *worker_flags)) for r in range(2)]
     outage = None
     if kill_at is not None:
         wait_version(addrs[0], kill_at)
@@ -35,7 +36,7 @@ def _run_job(procs, tmp, steps, kill_at=None):
         t_kill = time.monotonic()
         time.sleep(0.5)
         servers[0] = procs.add(server_proc(0, ports[0], procs.log("server0-restored"), "--restore", str(ckpt),
-                                       "--checkpoint-every-steps", "20", "--worker-timeout", "30"))
+                                       "--checkpoint-every-steps", str(every), "--worker-timeout", "30"))
         wait_version(addrs[0], kill_at + 5)     # training moves on after the restart
         outage = time.monotonic() - t_kill
     for w in workers:
@@ -73,6 +74,33 @@ def test_kill9_a_shard_mid_run_and_restore_it(procs, tmp_path):
         assert got[r]["final_test_accuracy"] == ref[r]["final_test_accuracy"]
     wlog = (crash_dir / "worker0.log").read_text() + (crash_dir / "worker1.log").read_text()
     assert wlog.count("restarted (server_id") == 2
+
+
+def test_kill9_a_shard_of_a_local_update_job_resumes_the_outer_momentum(procs, tmp_path):
+    """Outer Nesterov momentum lives on the shards: after kill -9 and --restore the run is the run without
+    the crash, loss for loss (a lost or reset momentum buffer changes every later round)."""
+    steps, flags = 160, ("--local-steps", "4", "--outer-optimizer", "nesterov", "--outer-lr", "0.7",
+                         "--outer-momentum", "0.9", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0")
+    runs = {}
+    for name, kill_at in (("ref", None), ("crash", 20)):
+        d = tmp_path / name
+        d.mkdir()
+        p = procs if name == "crash" else Procs(d)
+        p.tmp = d
+        try:
+            runs[name] = _run_job(p, d, steps, kill_at=kill_at, worker_flags=flags, every=5)
+        finally:
+            if p is not procs:
+                p.cleanup()
+    (ref, _, _), (got, shard_stats, _) = runs["ref"], runs["crash"]
+    print(f"\nlocal-update job, shard 0 kill -9 at round 20 of {steps // 4}: accuracy "
+          f"{got[0]['final_test_accuracy']:.4f} (without the crash {ref[0]['final_test_accuracy']:.4f})")
+    assert "restored from" in (tmp_path / "crash" / "server0-restored.log").read_text()
+    assert all(s.min_version == s.max_version == steps // 4 for s in shard_stats)   # one version per round
+    assert all(s.local_steps == 4 and s.outer_updates > 0 for s in shard_stats)
+    for r in range(2):
+        assert got[r]["losses"] == ref[r]["losses"], r
+    assert got[0]["final_test_accuracy"] == ref[0]["final_test_accuracy"] >= 0.9
 
 
 def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
