@@ -43,6 +43,7 @@ Costs: train time = steps x t_step; GPU-hours = gpus x train time / 3600; cost =
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from deltaps.layout import (
@@ -366,14 +367,46 @@ def _ps_cpu(cal: Calibration, job: Job, push: CodecSpeed, pull: CodecSpeed, layo
     return rpcs, worker_cpu, shard_cpu
 
 
+def predict_local(cal: Calibration, job: Job, codec: str, local_steps: int, fragments: int = 1) -> dict:
+    """A local-update job (--local-steps H, --stream-fragments F): H inner steps (forward, backward, the
+    local optimizer) per PS round; the round moves the parameter delta as ps:<codec> moves a gradient.
+    Without streaming nothing hides the round (it starts after the last inner step); with F fragments each
+    fragment's exchange (1/F of the round) overlaps the next inner step."""
+    if local_steps < 1 or fragments < 1:
+        raise ValueError(f"local steps and fragments must be >= 1, got {local_steps} and {fragments}")
+    p = predict_ps(cal, job, codec)
+    k = job.workers if job.host_cores else 1
+    inner = cal.compute(k) + (cal.compute(k, cal.optimizer_s) if cal.optimizer_s else 0.0)
+    round_comm = p["comm_s"] + p["overlap_s"]
+    if fragments > 1:
+        exposed = fragments * max(0.0, round_comm / fragments - inner) / local_steps
+    else:
+        exposed = round_comm / local_steps
+    step = inner + exposed
+    H = local_steps
+    return {**p, "strategy": f"ps-local{H}{f'x{fragments}' if fragments > 1 else ''}:{canonical(codec)}",
+            "step_s": step, "compute_s": inner, "comm_s": exposed, "network_s": p["network_s"] / H,
+            "cpu_comm_s": p["cpu_comm_s"] / H, "overlap_s": round_comm / H - exposed,
+            "bytes_sent_per_worker": p["bytes_sent_per_worker"] / H,
+            "bytes_pulled_per_worker": p["bytes_pulled_per_worker"] / H, "bytes_hot_link": p["bytes_hot_link"] / H,
+            "rpcs_per_worker": p["rpcs_per_worker"] / H, "local_steps": H, "stream_fragments": fragments}
+
+
+LOCAL_STRATEGY = re.compile(r"ps-local(\d+)(?:x(\d+))?")
+
+
 def predict(cal: Calibration, job: Job, strategy: str) -> dict:
-    """strategy: 'allreduce' or 'ps:<codec spec>' (ps:none, ps:int8, ps:topk:ratio=0.01, ...)."""
+    """strategy: 'allreduce', 'ps:<codec spec>' (ps:none, ps:int8, ps:topk:ratio=0.01, ...) or a local-update
+    job 'ps-local<H>[x<F>]:<codec spec>' (ps-local8:int8: --local-steps 8; ps-local32x4:none: 4 fragments)."""
     head, _, codec = strategy.partition(":")
     if head == "allreduce":
         return predict_allreduce(cal, job)
     if head == "ps":
         return predict_ps(cal, job, codec or "none")
-    raise ValueError(f"unknown strategy {strategy!r}; use allreduce or ps:<codec>")
+    local = LOCAL_STRATEGY.fullmatch(head)
+    if local:
+        return predict_local(cal, job, codec or "none", int(local[1]), int(local[2] or 1))
+    raise ValueError(f"unknown strategy {strategy!r}; use allreduce, ps:<codec> or ps-local<H>[x<F>]:<codec>")
 
 
 def mlp_tensors(hidden: int, layers: int, in_features: int = 64, classes: int = 10) -> list:
@@ -390,5 +423,5 @@ def layout_keys(tensors: list, shards: int, chunk_bytes: int = DEFAULT_CHUNK_BYT
     return len(build_layout([(n, k, "float32") for n, k in tensors], shards, chunk_bytes))
 
 
-__all__ = ["Calibration", "CodecSpeed", "Job", "predict", "predict_allreduce", "predict_ps", "ring_allreduce_bytes",
-           "ring_allreduce_time", "ps_link_bytes", "training_cost", "mlp_tensors", "pull_codec_for"]
+__all__ = ["Calibration", "CodecSpeed", "Job", "predict", "predict_allreduce", "predict_ps", "predict_local",
+           "ring_allreduce_bytes", "ring_allreduce_time", "ps_link_bytes", "training_cost", "mlp_tensors", "pull_codec_for"]

@@ -290,3 +290,28 @@ def test_flip_on_the_committed_measured_profile(capsys):
     assert "accuracy risk is HIGH (-5.28 pp measured)" in words["100mbit"]
     assert "RECOMMENDATION: allreduce" in words["25gbit"]
     assert "compression overhead exceeds its savings" in words["25gbit"]
+
+
+def test_local_updates_communicate_once_per_round():
+    job = cm.Job(tensors=[("a", 1 << 20), ("b", 1 << 20)], workers=4, shards=2)
+    cal = _cal(fwd_bwd_s={1: 0.01})
+    ps = cm.predict_ps(cal, job, "int8")
+    round_comm = ps["comm_s"] + ps["overlap_s"]
+    one = cm.predict(cal, job, "ps-local1:int8")       # H=1: a PS step with nothing overlapped
+    assert one["step_s"] == pytest.approx(0.01 + round_comm)
+    h8 = cm.predict(cal, job, "ps-local8:int8")
+    assert h8["step_s"] == pytest.approx(0.01 + round_comm / 8)
+    assert h8["bytes_sent_per_worker"] == pytest.approx(ps["bytes_sent_per_worker"] / 8)
+    # 2 fragments: each half-round hides behind one 10 ms inner step
+    st = cm.predict(cal, job, "ps-local8x2:int8")
+    assert st["step_s"] == pytest.approx(0.01 + 2 * max(0.0, round_comm / 2 - 0.01) / 8)
+    assert st["strategy"] == "ps-local8x2:int8" and st["stream_fragments"] == 2
+    with pytest.raises(ValueError, match="ps-local"):
+        cm.predict(cal, job, "ps-localx:int8")
+
+
+def test_slow_link_long_job_can_recommend_local_updates():
+    rep = advise.advise(_profile(), [8], "100mbit", ["allreduce", "ps:int8", "ps-local16:int8"], 5_000_000, 2.5)
+    row = rep["rows"][0]
+    assert row["recommendation"] == "ps-local16:int8" and row["decision"] == "local updates", row["reasons"]
+    assert "measured against the synchronous baseline" in " ".join(row["reasons"])

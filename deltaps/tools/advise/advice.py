@@ -71,11 +71,16 @@ def recommend(preds: dict, max_acc_drop: float, engineer_usd: float, bandwidth: 
                    f"{base['step_s'] * 1e3:.1f} ms step communicating ({params / 1e6:.2f}M parameters)")
     saved = base["cost_usd"] - best["cost_usd"]
     speedup = base["step_s"] / best["step_s"] if best["step_s"] else 1.0
-    compress = best_s.startswith("ps:") and best_s != "ps:none"
+    local = best_s.startswith("ps-local")
+    compress = local or (best_s.startswith("ps:") and best_s != "ps:none")
     if share <= COMM_SHARE_THRESHOLD and not (compress and speedup > 1.05):
         decision = "pure data parallel"
         reasons.append(f"communication is below the {COMM_SHARE_THRESHOLD:.0%} threshold: compression cannot win "
                        "much and its codec/RPC overhead costs more than the bytes it saves")
+    elif local:
+        decision = "local updates"
+        reasons.append(f"{best_s} communicates once every {best['local_steps']} steps: its accuracy must be measured "
+                       "against the synchronous baseline before switching (bench compare --target-accuracy)")
     elif compress:
         decision = "sparsification" if best_s.split(":")[1].startswith(("topk", "randk", "dgc")) else "gradient quantization"
     elif best_s == "allreduce" or best_s == "ps:none":

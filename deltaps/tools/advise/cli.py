@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="PS key size at scale (default: the best predicted of 4 MiB, 1 MiB, 256 KiB and about "
                         "4 keys per shard)")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated strategies: allreduce, ps:<codec spec>")
+                   help="comma-separated strategies: allreduce, ps:<codec spec>, ps-local<H>[x<F>]:<codec spec> "
+                        "(local-update job: --local-steps H, F stream fragments)")
     p.add_argument("--steps", type=int, default=100000, help="training steps to cost")
     p.add_argument("--gpu-hour-usd", type=float, default=2.5, help="price of one GPU-hour")
     p.add_argument("--egress-usd-per-gb", type=float, default=0.0, help="price of network egress per GB sent")
@@ -59,7 +60,7 @@ def _split_strategies(text: str) -> list[str]:
 def main_args(args) -> int:
     if args.calibrate:
         bws = [b.strip() for b in (args.bandwidth or "1gbit").split(",") if b.strip()]
-        codecs = [s.split(":", 1)[1] for s in _split_strategies(args.strategies) if s.startswith("ps:")]
+        codecs = [s.split(":", 1)[1] for s in _split_strategies(args.strategies) if s.startswith("ps") and ":" in s]
         prof = calibrate(args.hidden, args.layers, args.batch_size, bws,
                          concurrency=[int(k) for k in args.concurrency.split(",")], codecs=codecs,
                          shards=args.shards or 2)
