@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test test-unit lint bench proto clean prometheus kubectl advise-validate
+.PHONY: setup demo test test-unit lint bench bench-peers proto clean prometheus kubectl advise-validate
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -63,6 +63,17 @@ bench: setup
 	# short allreduce-vs-PS comparison on 1 Gbit/s namespace links (loopback when not root); a few minutes
 	$(BIN)/deltaps bench compare --workers 4 --bandwidth 1gbit --hidden 1024 --steps 30 \
 		--modes allreduce,ps:none,ps:int8,ps:topk:ratio=0.01 --json bench-compare.json --plot bench-compare.png
+
+# time to accuracy against the DDP peers (docs/compare.md#time-to-accuracy): every mode races to 90 % test
+# accuracy on the clf workload (MLP 64-768x2-10), at 1 Gbit/s and at 100 Mbit/s; ~30 minutes, root for the
+# shaped links. BENCH_PEERS_EXTRA: more mode specs, comma-separated (the best deltaps local-update modes).
+BENCH_PEERS_EXTRA ?=
+BENCH_PEERS_MODES = ddp,ddp:fp16,ddp:bf16,ddp:powersgd:rank=4,ddp:localsgd:period=8,ddp:localsgd:period=32,ps:int8,ps:topk:ratio=0.01,$(BENCH_PEERS_EXTRA)
+bench-peers: setup
+	$(BIN)/deltaps bench compare --workers 4 --workload clf --eval-every 10 --target-accuracy 0.9 --steps 600 \
+		--bandwidth 1gbit --modes $(BENCH_PEERS_MODES) --json bench-peers-1gbit.json --plot bench-peers-1gbit.png
+	$(BIN)/deltaps bench compare --workers 4 --workload clf --eval-every 10 --target-accuracy 0.9 --steps 600 \
+		--bandwidth 100mbit --modes $(BENCH_PEERS_MODES) --json bench-peers-100mbit.json --plot bench-peers-100mbit.png
 
 # deltaps advise: predicted vs measured step time on the bench compare grid (2 and 4 workers x 100mbit,
 # 1gbit, 10gbit x 4 modes; needs root for the shaped namespaces; ~25 minutes; reports kept in /tmp/deltaps-advise-validate)

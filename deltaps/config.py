@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import yaml
 
+from deltaps.optimizer_config import DEFAULT_OUTER
 from deltaps.units import parse_bytes
 
 
@@ -61,6 +62,23 @@ class TrainConfig:
     pull_codec: str = option(
         "auto",
         "codec for parameter deltas sent back by pulls: auto (follows --codec), none, or a spec")
+    # ---- local-update training (DiLoCo-style; worker/local_updates.py, docs/local-updates.md) ----
+    local_steps: int = option(
+        0,
+        "--mode ps: each worker takes this many inner steps with the local optimizer (--optimizer/--lr) "
+        "between outer rounds, then pushes its parameter delta through --codec; the shards apply "
+        "--outer-optimizer to the workers' mean delta (0 = push gradients every step)")
+    outer_optimizer: str = option(
+        DEFAULT_OUTER[0],
+        "local-update jobs: the shards' outer optimizer on the mean delta: avg (the new model is the mean of "
+        "the local models), sgd (--outer-lr, heavy-ball --outer-momentum) or nesterov (DiLoCo's)")
+    outer_lr: float = option(DEFAULT_OUTER[1], "local-update jobs: outer learning rate (sgd, nesterov; avg is lr 1)")
+    outer_momentum: float = option(DEFAULT_OUTER[2], "local-update jobs: outer momentum (sgd, nesterov)")
+    stream_fragments: int = option(
+        1,
+        "local-update jobs: sync the model as this many fragments (groups of parameters) on staggered "
+        "schedules, each every --local-steps, its exchange overlapped with the next inner step (Streaming "
+        "DiLoCo; 1 = the whole model at once, no overlap)")
     min_compress_bytes: int = option(1024, "tensors smaller than this go uncompressed", parse=parse_bytes)
     compress_warmup_steps: int = option(0, "send uncompressed for the first N steps")
     fallback_factor: float = option(
@@ -81,10 +99,20 @@ class TrainConfig:
     progress: bool = option(True, "show a tqdm progress bar")
     log_every: int = option(0, "log the loss every N steps (0 = never)")
     save_model: str = option("", "rank 0 saves the final model state_dict to this path (torch.save)")
+    # ---- time to accuracy (worker/trainers/base.py RunRecorder; docs/compare.md#time-to-accuracy) ----
+    eval_every: int = option(
+        0,
+        "--mode ps / allreduce: evaluate test accuracy every N steps (timed apart: not part of the step times or "
+        "the training clock; local SGD and PS local-update rounds: at the first synced step from N on); 0 = off")
+    target_accuracy: float = option(
+        0.0,
+        "stop at the first evaluation (--eval-every) reaching this test accuracy, or at --steps; every rank "
+        "decides alike from the same model (not with --sync asp/ssp, where models differ per rank); 0 = off")
     # ---- hybrid parallelism / embedding workload (worker/trainers/hybrid.py, docs/hybrid.md) ----
     workload: str = option(
         "mlp",
-        "model/data: mlp (digits MLP) or ctr (synthetic click-through model with a large embedding table)")
+        "model/data: mlp (digits MLP), clf (MLP on a synthetic 10-class task, 40k samples: slow enough to race "
+        "to an accuracy target) or ctr (synthetic click-through model with a large embedding table)")
     ps_params: str = option(
         "embedding",
         "hybrid mode: modules kept on the PS row-sparse: embedding (every nn.Embedding) or fnmatch patterns")
@@ -96,6 +124,10 @@ class TrainConfig:
         "embedding table optimizer: sgd, adagrad or adam (row-wise lazy on the PS)")
     embedding_lr: float = option(0.05, "embedding table learning rate")
     zipf_a: float = option(1.1, "ctr workload: Zipf exponent of the ids")
+    sparse_embeddings: bool = option(
+        False,
+        "allreduce mode, ctr workload: nn.Embedding(sparse=True) tables, their sparse gradients reduced by DDP over "
+        "gloo and stepped by a sparse optimizer (bench compare's ddp:sparse; SparseAdam for adam)")
     # ---- pipeline parallelism (worker/trainers/pipeline.py, docs/hybrid.md) ----
     pipeline_stages: int = option(2, "pipeline mode: stages per pipeline replica (workers must be a multiple of it)")
     microbatches: int = option(4, "pipeline mode: micro-batches per step (must divide --batch-size)")
@@ -109,10 +141,14 @@ class TrainConfig:
             raise ValueError(f"unknown mode {self.mode!r}; use ps, allreduce, hybrid or pipeline")
         if self.mode == "pipeline":
             self._validate_pipeline()
-        if self.workload not in ("mlp", "ctr"):
-            raise ValueError(f"unknown workload {self.workload!r}; use mlp or ctr")
+        if self.workload not in ("mlp", "clf", "ctr"):
+            raise ValueError(f"unknown workload {self.workload!r}; use mlp, clf or ctr")
+        self._validate_eval()
         if self.mode == "hybrid" and self.workload != "ctr":
             raise ValueError("--mode hybrid needs a model with embeddings: use --workload ctr")
+        if self.sparse_embeddings and (self.mode != "allreduce" or self.workload != "ctr"):
+            raise ValueError(f"--sparse-embeddings (ddp:sparse) needs --mode allreduce --workload ctr (a model with an "
+                             f"embedding table), not --mode {self.mode} --workload {self.workload}")
         if self.embedding_optimizer not in ("sgd", "adagrad", "adam"):
             raise ValueError(f"unknown embedding optimizer {self.embedding_optimizer!r}; use sgd, adagrad or adam")
         for name in ("embedding_rows", "embedding_dim", "embedding_fields"):
@@ -130,12 +166,39 @@ class TrainConfig:
             raise ValueError(f"--ddp-hook {self.ddp_hook} applies to --mode allreduce only, not {self.mode}")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
+        self._validate_local_updates()
         from deltaps.layout import role_for_buffers
         role_for_buffers(self.buffer_sync)
         from compression import get_codec
         from deltaps.pull_codec import resolve_pull_codec
         get_codec(self.codec)
         resolve_pull_codec(self.pull_codec, self.codec)
+
+    def _validate_local_updates(self) -> None:
+        if self.local_steps < 0 or self.stream_fragments < 1:
+            raise ValueError(f"want --local-steps >= 0 and --stream-fragments >= 1, got {self.local_steps} and "
+                             f"{self.stream_fragments}")
+        if self.local_steps and self.mode != "ps":
+            raise ValueError(f"--local-steps applies to --mode ps only, not {self.mode} (DDP's local SGD: "
+                             f"--ddp-hook localsgd:period=H)")
+        if self.stream_fragments > 1 and not self.local_steps:
+            raise ValueError("--stream-fragments needs --local-steps > 0")
+        from deltaps.optimizer_config import outer_optimizer_config
+        outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum)
+
+    def _validate_eval(self) -> None:
+        if self.eval_every < 0 or not 0.0 <= self.target_accuracy <= 1.0:
+            raise ValueError(f"want --eval-every >= 0 and 0 <= --target-accuracy <= 1, got {self.eval_every} and "
+                             f"{self.target_accuracy}")
+        if (self.eval_every or self.target_accuracy) and (self.mode not in ("ps", "allreduce") or self.workload == "ctr"):
+            raise ValueError(f"--eval-every / --target-accuracy apply to --mode ps / allreduce with --workload mlp or "
+                             f"clf, not --mode {self.mode} --workload {self.workload}")
+        if self.target_accuracy and not self.eval_every:
+            raise ValueError("--target-accuracy needs --eval-every N (the evaluations that can reach it)")
+        if self.target_accuracy and self.mode == "ps" and self.sync != "bsp":
+            raise ValueError(f"--target-accuracy needs --sync bsp in --mode ps: under {self.sync} every worker holds a "
+                             f"different model, so the ranks could not agree on when to stop without talking; "
+                             f"--eval-every alone still records each rank's evaluations")
 
     def _validate_pipeline(self) -> None:
         if self.workload != "mlp":

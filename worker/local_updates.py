@@ -96,6 +96,7 @@ class LocalUpdates:
         if f == len(self.fragments) - 1:    # buffers ride with the last fragment: one round per H steps
             futures += d.sync_buffers(step)
         self.rounds[f] += 1
+        d.round = min(self.rounds)            # rounds every fragment has pushed
         self.synced_at[f] = self.inner
         self.inflight[f] = (futures, sent, time.perf_counter())
 

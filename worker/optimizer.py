@@ -15,7 +15,7 @@ worker holds rank 0's (the model DDP's rank 0 would save).
 
 Local updates (`local_steps=H`, DiLoCo-style; worker/local_updates.py): the wrapped optimizer is the
 *inner* optimizer and steps locally; every H steps the worker pushes its parameter delta and the shards
-apply `outer` (a deltaps.optimizer_config.OptimizerConfig, default: the mean of the local models). What
+apply `outer` (a deltaps.optimizer_config.OptimizerConfig, default: Nesterov lr 0.9, momentum 0.8). What
 changes for a user: step() runs the wrapped optimizer; gradients never leave the worker; between rounds
 the workers' models differ (`synced` says when they agree); call flush() after the last step (the
 trainers do) so the final inner steps reach the shards.
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import torch
 
 from deltaps.layout import DEFAULT_BUCKET_BYTES, make_buckets, role_for_buffers
-from deltaps.optimizer_config import OptimizerConfig, outer_optimizer_config
+from deltaps.optimizer_config import DEFAULT_OUTER, OptimizerConfig, outer_optimizer_config
 from worker.client import PSClient
 from worker.local_updates import LocalUpdates
 
@@ -56,7 +57,7 @@ class DistributedOptimizer:
             raise ValueError(f"want local_steps >= 0 and stream_fragments 1 unless local_steps > 0, got "
                              f"{local_steps} and {stream_fragments}")
         # the shards run the outer optimizer of a local-update job, else the wrapped one
-        server_opt = (outer or outer_optimizer_config("avg")) if local_steps else OptimizerConfig.from_torch(optimizer)
+        server_opt = (outer or outer_optimizer_config(*DEFAULT_OUTER)) if local_steps else OptimizerConfig.from_torch(optimizer)
         self.client = client or PSClient(servers, rank, world_size, sync=sync, optimizer=server_opt,
                                          local_steps=local_steps, **client_kw)
         self.backward_passes_per_step = backward_passes_per_step
@@ -155,8 +156,27 @@ class DistributedOptimizer:
 
     @property
     def synced(self) -> bool:
-        """Every worker holds the same model now (always, unless a local-update round is in progress)."""
-        return self.local is None or self.local.synced
+        """`global_model()` is the same on every worker now: always, except while a local-update exchange is
+        in flight (its pull is being written)."""
+        return self.local is None or not self.local.inflight
+
+    @contextmanager
+    def global_model(self):
+        """Inside the block the model holds the global parameters and buffers as this worker last pulled them
+        (the shards' model; a local-update worker's own model differs between rounds), then its own again.
+        Evaluate here, where `synced`."""
+        if self.local is None:
+            yield
+            return
+        named = self.named + self.named_buffers
+        own = [t.detach().clone() for _, t in named]
+        self.load(self.staging)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (_, t), v in zip(named, own):
+                    t.copy_(v)
 
     def flush(self) -> None:
         """After the last step: a local-update job's unsynced inner steps take a last round (a no-op otherwise)."""

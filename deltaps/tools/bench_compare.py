@@ -5,11 +5,15 @@ Each process (PS shard or worker) gets a network namespace of its own, linked to
 with tbf in both directions (deltaps/tools/netns.py), so all traffic between processes crosses `--bandwidth` links.
 Modes run back to back in one invocation on the same topology, with the same model, data, seed, optimizer and
 steps; speed-ups and accuracy deltas are against the fp32 DDP run (`allreduce` or `ddp`) of the same invocation.
+With --eval-every / --target-accuracy every mode races to a test accuracy and the report leads with the time to
+reach it (deltaps/tools/bench_report.py).
 Without root / iproute2, or with --no-shaping, everything runs on loopback and the report says so.
 
 Mode specs: `ddp` (alias `allreduce`) or `ddp:<hook>` (torch's DDP comm hooks: fp16, bf16, powersgd:rank=R,
-localsgd:period=H; worker/trainers/ddp_hooks.py); `ps` or `ps:<codec spec>` (split on the first colon:
-ps:topk:ratio=0.01 -> codec topk:ratio=0.01); `ps-asp:<codec spec>` for asynchronous PS; `hybrid`.
+localsgd:period=H; worker/trainers/ddp_hooks.py), `ddp:sparse` (ctr: sparse embedding gradients); `ps` or
+`ps:<codec spec>` (split on the first colon: ps:topk:ratio=0.01 -> codec topk:ratio=0.01); `ps-asp:<codec spec>`
+for asynchronous PS; `ps-local<H>[x<F>]:<codec spec>` local updates (--local-steps H, --stream-fragments F, the
+outer optimizer from --outer-optimizer); `hybrid`.
 """
 from __future__ import annotations
 
@@ -25,9 +29,11 @@ import time
 import yaml
 
 from deltaps.config import load_config
-from deltaps.tools import netns
+from deltaps.tools import bench_report, netns
+from deltaps.tools.costmodel import LOCAL_STRATEGY
 from deltaps.tools.launch import free_port, stop_processes, summarize, tail_file, wait_port_file, wait_workers
-from worker.trainers.ddp_hooks import parse_ddp_hook
+from worker.trainers.ddp_hooks import ddp_mode_overrides
+from worker.workloads.clf import HIDDEN as CLF_HIDDEN
 
 IN_FEATURES, CLASSES = 64, 10
 
@@ -49,21 +55,25 @@ def hidden_for_params(n: int, layers: int) -> int:
 
 
 def parse_mode(spec: str) -> dict:
-    """'ddp[:hook]' (alias 'allreduce[:hook]') | 'ps[:codec]' | 'ps-asp[:codec]' | 'hybrid' -> TrainConfig overrides."""
+    """'ddp[:hook|:sparse]' (alias 'allreduce[:..]') | 'ps[:codec]' | 'ps-asp[:codec]' | 'hybrid' -> TrainConfig overrides."""
     head, _, codec = spec.strip().partition(":")
-    if head in ("ddp", "allreduce"):   # DDP, plain or with one of torch's comm hooks
+    if head in ("ddp", "allreduce"):   # DDP: plain, one of torch's comm hooks, or sparse embeddings (ddp_hooks.py)
         try:
-            hook = str(parse_ddp_hook(codec or "none"))
+            return ddp_mode_overrides(codec)
         except ValueError as e:
             raise ValueError(f"mode {spec!r}: {e}") from None
-        return {"mode": "allreduce"} if hook == "none" else {"mode": "allreduce", "ddp_hook": hook}
     if head in ("ps", "ps-bsp", "ps-asp"):
         return {"mode": "ps", "sync": "asp" if head == "ps-asp" else "bsp", "codec": codec or "none"}
+    local = LOCAL_STRATEGY.fullmatch(head)      # ps-local<H>[x<F>], named as deltaps advise names it
+    if local:
+        return {"mode": "ps", "sync": "bsp", "codec": codec or "none", "local_steps": int(local[1]),
+                "stream_fragments": int(local[2] or 1)}
     if head == "hybrid":   # embeddings row-sparse on the PS, the rest allreduced (--workload ctr)
         if codec:
             raise ValueError(f"mode {spec!r}: hybrid takes no codec")
         return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr"}
-    raise ValueError(f"unknown mode spec {spec!r}; use ddp[:<hook>] (or allreduce), ps:<codec>, ps-asp:<codec> or hybrid")
+    raise ValueError(f"unknown mode spec {spec!r}; use ddp[:<hook>|:sparse] (or allreduce), ps:<codec>, ps-asp:<codec>, "
+                     f"ps-local<H>[x<F>]:<codec> or hybrid")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated mode specs (a comma inside a codec spec is not supported)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=None, help=f"MLP hidden width (default 2048; {CLF_HIDDEN} with "
+                   f"--workload clf)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--model-params", type=int, default=None, help="size the MLP to about this many parameters "
                    "(sets --hidden for the given --layers)")
@@ -86,9 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="per-RPC / collective timeout, seconds")
-    p.add_argument("--workload", default=None, choices=["mlp", "ctr"],
-                   help="mlp (digits MLP) or ctr (click-through model with a large embedding table); default ctr "
+    p.add_argument("--workload", default=None, choices=["mlp", "clf", "ctr"],
+                   help="mlp (digits MLP), clf (MLP on a synthetic 10-class task that takes hundreds of steps: the "
+                        "time-to-accuracy race) or ctr (click-through model with a large embedding table); default ctr "
                         "when --modes has hybrid, else mlp")
+    p.add_argument("--outer-optimizer", default="nesterov", help="ps-local modes: the shards' outer optimizer")
+    p.add_argument("--outer-lr", type=float, default=None, help="ps-local modes: outer learning rate")
+    p.add_argument("--outer-momentum", type=float, default=None, help="ps-local modes: outer momentum")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every worker evaluates test accuracy every N steps (not on the clock); 0 = off")
+    p.add_argument("--target-accuracy", type=float, default=0.0,
+                   help="each mode stops at the first evaluation reaching this test accuracy (or at --steps); the "
+                        "report leads with the time to reach it (needs --eval-every; 0 = off)")
     p.add_argument("--embedding-rows", type=int, default=1_000_000, help="ctr: embedding table rows")
     p.add_argument("--embedding-dim", type=int, default=64, help="ctr: embedding width")
     p.add_argument("--embedding-fields", type=int, default=8, help="ctr: categorical fields per sample")
@@ -174,21 +194,22 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
         stop_processes(servers)
     results = [json.load(open(os.path.join(d, f"worker{r}.json"))) for r in range(W)]
     s = summarize(cfg, results, time.perf_counter() - t0)
+    steps = max(r["steps"] for r in results)     # steps run: fewer than --steps when the target stopped the mode
     shares = []
     for r in results:
         tot = max(1e-12, r["compute_s"] + r["comm_s"] + r["wait_s"])
         shares.append((r["compute_s"] / tot, r["comm_s"] / tot, r["wait_s"] / tot))
     out = {
-        "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "ddp_hook": cfg.ddp_hook, "steps": cfg.steps,
+        "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "ddp_hook": cfg.ddp_hook, "steps": steps,
         "median_step_s": s["median_step_s"], "mean_step_s": s["mean_step_s"], "wall_s": s["wall_s"],
         "samples_per_s": s["samples_per_s"],
         "compute_share": sum(x[0] for x in shares) / W, "comm_share": sum(x[1] for x in shares) / W,
         "wait_share": sum(x[2] for x in shares) / W,
-        "compute_s_per_step": s["compute_s"] / cfg.steps, "comm_s_per_step": s["comm_s"] / cfg.steps,
-        "wait_s_per_step": s["wait_s"] / cfg.steps,
+        "compute_s_per_step": s["compute_s"] / steps, "comm_s_per_step": s["comm_s"] / steps,
+        "wait_s_per_step": s["wait_s"] / steps,
         # application-level bytes one worker sends / receives per step (allreduce: 2(p-1)/p x gradient bytes)
-        "bytes_per_step": s["bytes_pushed_wire"] / W / cfg.steps,
-        "bytes_pulled_per_step": s["bytes_pulled_wire"] / W / cfg.steps,
+        "bytes_per_step": s["bytes_pushed_wire"] / W / steps,
+        "bytes_pulled_per_step": s["bytes_pulled_wire"] / W / steps,
         "compression_ratio": s["compression_ratio"],
         "final_test_accuracy": s["final_test_accuracy"], "final_train_loss": s["final_train_loss"],
         "final_codec": s["final_codec"], "codec_fallbacks": s["codec_fallbacks"],
@@ -200,13 +221,14 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
         out["losses_rank0"] = r0["losses"]
         for k in ("sparse_bytes_pushed", "sparse_bytes_pulled", "dense_ring_bytes", "rows_pushed"):
             if k in r0:
-                out[k + "_per_step"] = sum(r[k] for r in results) / W / cfg.steps
+                out[k + "_per_step"] = sum(r[k] for r in results) / W / steps
+    out.update(bench_report.eval_fields(results))
     if before:
         tx = sum(after[i][0] - before[i][0] for i in worker_nodes) / W
         rx = sum(after[i][1] - before[i][1] for i in worker_nodes) / W
         # measured on each worker's veth for the whole run (setup, final pull and TCP/IP overhead included)
-        out["veth_tx_bytes_per_step"] = tx / cfg.steps
-        out["veth_rx_bytes_per_step"] = rx / cfg.steps
+        out["veth_tx_bytes_per_step"] = tx / steps
+        out["veth_rx_bytes_per_step"] = rx / steps
     if cfg.mode in ("allreduce", "hybrid") and cfg.workload == "ctr":
         out["timing_method"] = results[0].get("timing_method")
     elif cfg.mode == "allreduce":
@@ -218,41 +240,18 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
     return out
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return str(n)
+_fmt_bytes = bench_report.fmt_bytes     # format_table_ctr's name for it
 
 
 def format_table(report: dict) -> str:
-    cols = ["mode", "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step",
-            "test acc", "Δacc vs AR", "speed-up vs AR"]
-    if report.get("workload") == "ctr":
-        return format_table_ctr(report)
-    rows = []
-    for spec, m in report["modes"].items():
-        if "error" in m:
-            rows.append([spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (len(cols) - 2))
-            continue
-        sp = m.get("speedup_vs_allreduce")
-        da = m.get("accuracy_delta_vs_allreduce")
-        rows.append([spec, f"{m['median_step_s'] * 1e3:.1f} ms", f"{m['samples_per_s']:.0f}",
-                     f"{m['compute_share']:.0%}/{m['comm_share']:.0%}/{m['wait_share']:.0%}",
-                     _fmt_bytes(m["bytes_per_step"]),
-                     _fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a",
-                     f"{m['final_test_accuracy'] * 100:.2f} %",
-                     "—" if da is None else f"{da * 100:+.2f} pp",
-                     "—" if sp is None else f"x{sp:.2f}"])
-    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+    return format_table_ctr(report) if report.get("workload") == "ctr" else bench_report.format_table_mlp(report)
 
 
 def format_table_ctr(report: dict) -> str:
+    # + speed-ups against the embedding model's fair DDP peer, ddp:sparse (nn.Embedding(sparse=True)), if it ran
+    ref = next((m for s, m in report["modes"].items() if m.get("median_step_s") and parse_mode(s).get("sparse_embeddings")), None)
     cols = ["mode", "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step",
-            "test AUC", "test logloss", "max |Δloss| vs AR", "speed-up vs AR"]
+            "test AUC", "test logloss", "max |Δloss| vs AR", "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
     rows = []
     for spec, m in report["modes"].items():
         if "error" in m:
@@ -264,72 +263,11 @@ def format_table_ctr(report: dict) -> str:
                      _fmt_bytes(m["bytes_per_step"]),
                      _fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a",
                      f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
-                     "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"])
+                     "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
+                    + ([f"x{ref['median_step_s'] / m['median_step_s']:.2f}"] if ref else []))
     widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
     line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
-
-
-def header(report: dict) -> str:
-    net = report["network"]
-    if report.get("workload") == "ctr":
-        e = report["embedding"]
-        model = (f"model: click-through, embedding {e['rows']:,} x {e['dim']} ({_fmt_bytes(e['rows'] * e['dim'] * 4)}, "
-                 f"{e['optimizer']} lr {e['lr']}), {e['fields']} Zipf({e['zipf_a']}) fields + 13 dense -> "
-                 f"MLP {report['hidden']}x{report['layers']}; {report['model_params']:,} params")
-    else:
-        model = (f"model: MLP 64-{report['hidden']}x{report['layers']}-10, {report['model_params']:,} params "
-                 f"({_fmt_bytes(report['model_params'] * 4)} of fp32 gradient per step)")
-    lines = [f"deltaps bench compare: {report['workers']} workers, {report['servers']} PS shards, "
-             f"{report['steps']} steps x batch {report['batch_size']}/worker, optimizer {report['optimizer']} "
-             f"lr {report['lr']}, seed {report['seed']}", model,
-             f"network: {net['description']}"]
-    if net.get("measured_link_gbit_s") is not None:
-        lines.append(f"         measured one TCP stream worker->worker: {net['measured_link_gbit_s']:.3f} Gbit/s")
-    lines.append(f"host: {report['host_cpus']} CPU cores shared by all processes "
-                 f"({report['workers']} workers + {report['servers']} shards in ps modes)")
-    for n in net.get("notes", []):
-        lines.append(f"NOTE: {n}")
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = [k for k, m in report["modes"].items() if "error" not in m]
-    ms = [report["modes"][k] for k in modes]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(modes) + 4), 4.5),
-                                   gridspec_kw={"width_ratios": [2, 1]})
-    x = range(len(modes))
-    bottom = [0.0] * len(modes)
-    for key, label, color in (("compute_s_per_step", "compute", "#4c72b0"), ("comm_s_per_step", "comm", "#dd8452"),
-                              ("wait_s_per_step", "wait", "#c44e52")):
-        vals = [m[key] * 1e3 for m in ms]
-        ax1.bar(x, vals, bottom=bottom, label=label, color=color)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, m in enumerate(ms):
-        sp = m.get("speedup_vs_allreduce")
-        ax1.text(i, bottom[i], f"{bottom[i]:.0f} ms" + (f"\nx{sp:.2f}" if sp else ""), ha="center", va="bottom",
-                 fontsize=8)
-    ax1.set_ylim(0, max(bottom, default=0) * 1.15 or 1)    # headroom for the labels above the bars
-    ax1.set_xticks(list(x), modes, rotation=15, fontsize=8)
-    ax1.set_ylabel("mean step time (ms)")
-    ax1.set_title(f"step split, {report['workers']} workers @ {report['bandwidth']}"
-                  + ("" if report["shaped"] else " (loopback, NOT shaped)"), fontsize=9)
-    ax1.legend(fontsize=8)
-    accs = [m["final_test_accuracy"] * 100 for m in ms]
-    ax2.bar(x, accs, color="#55a868")
-    for i, a in enumerate(accs):
-        ax2.text(i, a, f"{a:.1f}", ha="center", va="bottom", fontsize=8)
-    ax2.set_ylim(max(0, min(accs) - 10), 100)
-    ax2.set_xticks(list(x), modes, rotation=15, fontsize=8)
-    ax2.set_ylabel("final test accuracy (%)")
-    ax2.set_title(f"accuracy, MLP {report['model_params'] / 1e6:.1f}M params", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def compare(args) -> dict:
@@ -338,15 +276,21 @@ def compare(args) -> dict:
     specs = [s.strip() for s in args.modes.split(",") if s.strip()]
     if len(set(specs)) != len(specs):
         raise ValueError("duplicate mode specs")
-    hidden = hidden_for_params(args.model_params, args.layers) if args.model_params else args.hidden
     if args.workload is None:
-        args.workload = "ctr" if any(s.partition(":")[0] == "hybrid" for s in specs) else "mlp"
+        ctr = any(s.partition(":")[0] == "hybrid" or parse_mode(s).get("sparse_embeddings") for s in specs)
+        args.workload = "ctr" if ctr else "mlp"
+    if args.hidden is None:
+        args.hidden = CLF_HIDDEN if args.workload == "clf" else 2048
+    hidden = hidden_for_params(args.model_params, args.layers) if args.model_params else args.hidden
     base = {"workers": args.workers, "servers": args.servers, "steps": args.steps, "batch_size": args.batch_size,
             "hidden": hidden, "layers": args.layers, "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
             "timeout_s": args.timeout, "progress": False, "workload": args.workload,
             "embedding_rows": args.embedding_rows, "embedding_dim": args.embedding_dim,
             "embedding_fields": args.embedding_fields, "embedding_optimizer": args.embedding_optimizer,
             "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
+            "eval_every": args.eval_every, "target_accuracy": args.target_accuracy,
+            "outer_optimizer": args.outer_optimizer,
+            **{k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None},
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
             "fallback_factor": 0.0}
     for s in specs:   # fail fast on a bad spec, before any namespace exists
@@ -355,7 +299,8 @@ def compare(args) -> dict:
               "latency": args.latency, "shaped": False, "steps": args.steps, "batch_size": args.batch_size,
               "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "hidden": hidden, "layers": args.layers,
               "model_params": mlp_params(hidden, args.layers), "host_cpus": os.cpu_count(),
-              "network": {"notes": []}, "modes": {}, "workload": args.workload}
+              "network": {"notes": []}, "modes": {}, "workload": args.workload,
+              "eval_every": args.eval_every}
     if args.workload == "ctr":
         dense = (args.embedding_fields * args.embedding_dim + 13) * hidden + hidden
         dense += (args.layers - 1) * (hidden * hidden + hidden) + hidden + 1
@@ -390,14 +335,17 @@ def compare(args) -> dict:
             except Exception as e:  # noqa: BLE001 - a failed probe is reported, not fatal
                 report["network"]["notes"].append(f"link throughput probe failed: {e}")
         net = _Net(topo)
-        print(header(report), flush=True)
+        print(bench_report.header(report), flush=True)
         for spec in specs:
             print(f"-- running {spec} ...", flush=True)
             try:
                 report["modes"][spec] = run_mode(spec, base, args, net, tmp)
                 m = report["modes"][spec]
-                print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, acc {m['final_test_accuracy'] * 100:.2f} %",
-                      flush=True)
+                reached = "" if not args.target_accuracy else (
+                    f", target not reached in {m['steps']} steps" if m.get("time_to_target_s") is None else
+                    f", target reached at step {m['steps_to_target']} after {m['time_to_target_s']:.2f} s")
+                print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, acc {m['final_test_accuracy'] * 100:.2f} %"
+                      + reached, flush=True)
             except (RuntimeError, TimeoutError, OSError, ValueError) as e:
                 report["modes"][spec] = {"error": str(e)}
                 print(f"   FAILED: {e}", file=sys.stderr, flush=True)
@@ -423,6 +371,13 @@ def compare(args) -> dict:
                 m["auc_delta_vs_allreduce"] = m["final_test_auc"] - ar["final_test_auc"]
     else:
         report["network"]["notes"].append("no successful allreduce run in this invocation: no speed-ups computed")
+    sparse = next((m for s, m in report["modes"].items()
+                   if m.get("median_step_s") and parse_mode(s).get("sparse_embeddings")), None)
+    for m in report["modes"].values():      # ctr: hybrid against the DDP a user would run (sparse gradients)
+        if sparse and "error" not in m:
+            m["speedup_vs_ddp_sparse"] = sparse["median_step_s"] / m["median_step_s"]
+    if args.workload != "ctr":
+        bench_report.add_time_to_accuracy(report, args.target_accuracy)
     return report
 
 
@@ -434,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deltaps bench compare: {e}", file=sys.stderr)
         return 2
     print()
-    print(header(report))
+    print(bench_report.header(report))
     print(format_table(report))
     print("speed-up = allreduce median step / mode median step (same invocation); "
           "sent/step = bytes one worker sends per step (app level); veth tx/step = measured on the worker's link")
@@ -443,6 +398,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=2)
         print(f"wrote {args.json}")
     if args.plot:
-        plot(report, args.plot)
+        bench_report.plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 1 if any("error" in m for m in report["modes"].values()) else 0

@@ -86,3 +86,23 @@ def test_bench_compare_small(tmp_path):
         assert r["network"]["teardown_clean"] is True
         assert netns.list_leftovers("dpsu") == {"netns": [], "links": []}
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_compare_time_to_accuracy(tmp_path):
+    """Both modes race to a (low) test accuracy on the clf workload and stop there; the report leads with it."""
+    out = tmp_path / "t.json"
+    rc = bc.main(["--workers", "2", "--servers", "1", "--steps", "80", "--workload", "clf", "--hidden", "64",
+                  "--eval-every", "5", "--target-accuracy", "0.3", "--modes", "ddp,ps:int8,", "--no-shaping",
+                  "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["target"] == 0.3 and r["best_peer"] == "ddp" and list(r["modes"]) == ["ddp", "ps:int8"]
+    for m in r["modes"].values():
+        assert m["time_to_target_s"] > 0 and 5 <= m["steps_to_target"] < 80
+        assert m["steps"] == m["steps_to_target"]                  # stopped at the evaluation that reached it
+        assert m["evals"][-1]["test_accuracy"] >= 0.3 > m["evals"][0]["test_accuracy"]
+        assert m["evals"][-1]["time_s"] == pytest.approx(m["time_to_target_s"])
+        for k in ("final_test_accuracy", "median_step_s", "bytes_per_step", "speedup_vs_best_peer", "speedup_vs_ddp"):
+            assert k in m, k
+    assert r["modes"]["ddp"]["speedup_vs_best_peer"] == pytest.approx(1.0)

@@ -142,3 +142,22 @@ def test_outer_optimizer_configs():
         outer_optimizer_config("nesterov", 0.7, 0.0)
     with pytest.raises(ValueError, match="unknown outer optimizer"):
         outer_optimizer_config("adam")
+
+
+def test_global_model_is_the_shards_model_between_rounds(cluster_factory):
+    c = cluster_factory(1)
+    m = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, rank=0, world_size=1,
+                               local_steps=4, outer=outer_optimizer_config("avg"), timeout_s=10)
+    for step in range(6):             # one round at step 4, then 2 local steps
+        opt.zero_grad()
+        loss_of(m, 0, step).backward()
+        opt.step()
+    assert opt.synced and opt.local.inner == 6 and opt.round == 1
+    own = [p.detach().clone() for p in m.parameters()]
+    server = opt.client.pull(min_version=0)
+    with opt.global_model():
+        assert all(torch.equal(p.detach().view(-1), server[n]) for n, p in m.named_parameters())
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), own))
+    assert not all(torch.equal(p.detach().view(-1), server[n]) for n, p in m.named_parameters())
+    opt.close()

@@ -49,7 +49,8 @@ from worker.trainers.collective import (
     resolve_backend,
     ring_bytes,
 )
-from worker.workloads.digits import load_digits_split, worker_batches
+from worker.workloads import load_split
+from worker.workloads.digits import worker_batches
 from worker.workloads.mlp import accuracy, make_mlp, param_count
 
 __all__ = ["train_allreduce", "allreduce_extras"]
@@ -101,8 +102,8 @@ def allreduce_extras(backend: str, bucket_cap_mb: float, grad_bytes_steps: list[
 def _train(cfg, rank, world_size, backend, device, bucket_cap_mb) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    x_tr, y_tr, x_te, y_te = load_digits_split(cfg.seed)
-    x_tr, y_tr = x_tr.to(device), y_tr.to(device)
+    x_tr, y_tr, x_te, y_te = load_split(cfg.workload, cfg.seed)
+    x_tr, y_tr, x_te, y_te = x_tr.to(device), y_tr.to(device), x_te.to(device), y_te.to(device)
     model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb)
     state = AllreduceHookState(world_size)
@@ -134,13 +135,18 @@ def _train(cfg, rank, world_size, backend, device, bucket_cap_mb) -> dict:
         run.comm(blocked)
         grad_bytes.append(state.bucket_bytes)
         run.record(loss.item(), wire_bytes=wire, end=end)
+        # replicas are identical after every DDP step; under local SGD only right after the model average
+        # (or before its start step, while gradients are still allreduced)
+        avg = hook.averager
+        run.evaluate(lambda: accuracy(model, x_te, y_te),
+                     synced=avg is None or averaged is not None or avg.step <= avg.warmup_steps)
     # Who was ready last, per step: gather everybody's last-bucket timestamps (no cost during training).
     mine = torch.tensor(ready_wall, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine)
     slowest = torch.stack(everyone).max(0).values.cpu().tolist()
     run.wait_times = [min(b, max(0.0, s - r)) for b, s, r in zip(run.blocked_times, slowest, ready_wall)]
-    acc = accuracy(model, x_te.to(device), y_te.to(device))
+    acc = accuracy(model, x_te, y_te)
     save_model(cfg, rank, model)
     # every rank must hold the same parameters after DDP training (local SGD: only right after an average)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -8,6 +8,12 @@
   final_train_loss, samples/s) have one rule each, here; `to_dict()` is the JSON a worker writes and
   deltaps.tools.launch.summarize reads.
 
+Evaluation during training (--eval-every, --target-accuracy; ps and allreduce modes): after `record()`
+the trainer calls `run.evaluate(fn, synced)`; the evaluation is timed apart and left out of the step times
+and the wall clock, so `time_s` of an evaluation (and `time_to_target_s`) is training time only. The
+recorder ends the loop after the first evaluation that reaches the target; every rank evaluates the same
+model (synced) on the same test set, so all ranks stop at the same step without talking.
+
 Step split (every mode): a step's time = compute + comm + wait, where `blocked` is the time the step was
 blocked on communication, `wait` the part of it spent waiting for peers / the server's BSP gate, comm =
 blocked - wait, compute = step - blocked.
@@ -50,14 +56,17 @@ def make_compressor(cfg: TrainConfig):
 
 def distributed_optimizer(cfg: TrainConfig, model, servers: list[str], rank: int, world_size: int, security=None):
     """A DistributedOptimizer over the whole model, configured from cfg (ps mode, ctr ps mode)."""
+    from deltaps.optimizer_config import outer_optimizer_config
     from worker.optimizer import DistributedOptimizer
+    outer = outer_optimizer_config(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum) if cfg.local_steps else None
     return DistributedOptimizer(local_optimizer(cfg, model.parameters()), model, servers=servers, rank=rank,
                                 world_size=world_size, sync=cfg.sync, codec=cfg.codec, pull_codec=cfg.pull_codec,
                                 compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
                                 max_message_bytes=cfg.max_message_bytes, bucket_bytes=cfg.bucket_bytes,
                                 timeout_s=cfg.timeout_s, security=security,
                                 reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps,
-                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, buffers=cfg.buffer_sync)
+                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, buffers=cfg.buffer_sync,
+                                local_steps=cfg.local_steps, stream_fragments=cfg.stream_fragments, outer=outer)
 
 
 def load_params(named, values: dict[str, torch.Tensor]) -> None:
@@ -69,6 +78,7 @@ def load_params(named, values: dict[str, torch.Tensor]) -> None:
 
 def adopt_server_params(opt) -> None:
     """Everyone has pushed everything: take the servers' final parameters (and synchronised buffers) into the model."""
+    opt.flush()     # local-update jobs: the inner steps since the last round reach the shards
     opt.client.barrier("train-done")
     opt.load(opt.client.pull(min_version=0))
 
@@ -94,7 +104,7 @@ class RunResult:
     """One rank's run. Per-step records (one entry per completed step; `losses` only where the rank
     knows the loss) and the figures every mode reports; mode-specific figures go in `extras`."""
     rank: int
-    steps: int                      # steps of the job (cfg.steps)
+    steps: int                      # steps of the job (cfg.steps, or fewer when the target accuracy stopped it)
     wall_s: float                   # the training loop's wall time
     samples: float                  # samples credited to this rank (the samples_per_s numerator)
     final_test_accuracy: float
@@ -167,7 +177,7 @@ class RunRecorder:
     """Feeds a RunResult: `for step in run.steps(): ... run.comm(blocked, wait) ... run.record(loss)`.
 
     A step's timer starts when `steps()` yields it and stops at `record()` (or at its `end`); steps left by
-    `break` before `record()` are not counted."""
+    `break` before `record()` are not counted. `evaluate()` after `record()` may end the loop (target reached)."""
 
     def __init__(self, cfg: TrainConfig, rank: int, desc: str, log: logging.Logger):
         self.cfg, self.rank, self.desc, self.log = cfg, rank, desc, log
@@ -179,18 +189,27 @@ class RunRecorder:
         self.wall_s = 0.0
         self._bar = None
         self._step, self._t0, self._blocked, self._wait = 0, 0.0, 0.0, 0.0
+        # evaluation during training: never on the clock (eval_s is subtracted from every training time)
+        self.evals: list[dict] = []
+        self.eval_s = 0.0
+        self.steps_to_target: int | None = None
+        self.time_to_target_s: float | None = None
+        self._t_start = 0.0
+        self._eval_due = False
 
     def steps(self, first: int = 0) -> Iterator[int]:
         """Steps first .. cfg.steps - 1 under a progress bar; wall_s covers the whole loop."""
         self._bar = tqdm(range(first, self.cfg.steps), desc=self.desc, disable=not self.cfg.progress, unit="step",
                          dynamic_ncols=True, mininterval=0.5)
         try:
-            t_start = time.perf_counter()
+            self._t_start = time.perf_counter()
             for step in self._bar:
                 self._step, self._blocked, self._wait = step, 0.0, 0.0
                 self._t0 = time.perf_counter()
                 yield step
-            self.wall_s = time.perf_counter() - t_start
+                if self.steps_to_target is not None:
+                    break           # target reached: every rank leaves after the same step
+            self.wall_s = self.training_s()
         finally:
             self._bar.close()
 
@@ -225,13 +244,52 @@ class RunRecorder:
                 self.log.info("worker %d step %d loss %.4f", self.rank, self._step, loss)
         return step_s
 
+    def training_s(self) -> float:
+        """Seconds of the training loop so far, evaluations left out."""
+        return time.perf_counter() - self._t_start - self.eval_s
+
+    def evaluate(self, accuracy_fn, synced: bool = True) -> bool:
+        """After `record()`: every cfg.eval_every steps evaluate `accuracy_fn()` (-> test accuracy), timed apart
+        from training. synced: every rank holds the same model now (DDP: always; local SGD / PS local updates:
+        right after an average); a due evaluation waits for the next synced step. Returns True when this one
+        reached cfg.target_accuracy: `steps()` then ends the loop."""
+        every, done = self.cfg.eval_every, self._step + 1
+        if not every:
+            return False
+        self._eval_due = self._eval_due or done % every == 0
+        if not (self._eval_due and synced):
+            return False
+        self._eval_due = False
+        t0 = time.perf_counter()
+        train_s = t0 - self._t_start - self.eval_s
+        acc = float(accuracy_fn())
+        self.eval_s += time.perf_counter() - t0
+        self.evals.append({"step": done, "time_s": train_s, "test_accuracy": acc})
+        if self.cfg.log_every:
+            self.log.info("worker %d step %d test accuracy %.4f (%.2f s of training)", self.rank, done, acc, train_s)
+        target = self.cfg.target_accuracy
+        if target and self.steps_to_target is None and acc >= target:
+            self.steps_to_target, self.time_to_target_s = done, train_s
+            return True
+        return False
+
+    def eval_extras(self) -> dict:
+        """The result keys of evaluation during training (RunResult.extras); {} when --eval-every is off."""
+        if not self.cfg.eval_every:
+            return {}
+        return {"evals": list(self.evals), "eval_s": self.eval_s, "target_accuracy": self.cfg.target_accuracy or None,
+                "time_to_target_s": self.time_to_target_s, "steps_to_target": self.steps_to_target}
+
     def result(self, *, final_test_accuracy: float, model_params: int, samples: float | None = None,
                **fields) -> RunResult:
-        """The RunResult of this run; samples defaults to cfg.steps x cfg.batch_size; fields: RunResult's
-        byte / codec fields and `extras`."""
+        """The RunResult of this run; samples defaults to steps x cfg.batch_size (steps: cfg.steps, or the step
+        the target accuracy stopped the job at); fields: RunResult's byte / codec fields and `extras`."""
         cfg = self.cfg
-        return RunResult(rank=self.rank, steps=cfg.steps, wall_s=self.wall_s,
-                         samples=cfg.steps * cfg.batch_size if samples is None else samples,
+        steps = cfg.steps if self.steps_to_target is None else self.steps_to_target
+        if cfg.eval_every:
+            fields["extras"] = {**fields.get("extras", {}), **self.eval_extras()}
+        return RunResult(rank=self.rank, steps=steps, wall_s=self.wall_s,
+                         samples=steps * cfg.batch_size if samples is None else samples,
                          final_test_accuracy=final_test_accuracy, model_params=model_params,
                          step_times=list(self.step_times), blocked_times=list(self.blocked_times),
                          wait_times=list(self.wait_times), losses=list(self.losses),

@@ -13,6 +13,8 @@ Hook specs (`parse_ddp_hook`; `:` or `,` separate the parameters):
                                 mismatches collectives on gloo (docs/compare.md); auto = torch on nccl, ours on gloo
   localsgd:period=H[:start=S]   torch's post-local-SGD: post_localSGD_hook (gradient allreduce before step S,
                                 default 1; none after) + PeriodicModelAverager(period=H, warmup_steps=S)
+bench compare's `ddp:sparse` is no hook (`ddp_mode_overrides`): DDP's default allreduce with the model's
+nn.Embedding tables sparse=True (--sparse-embeddings, the ctr workload); `--ddp-hook sparse` is refused.
 
 Bytes: each hook's payload per bucket is what it hands to allreduce (`payload_fn`); train_allreduce turns
 payload bytes into the ring figure 2(p-1)/p x payload, as for plain DDP.
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["HookSpec", "parse_ddp_hook", "build_hook", "PeerHook", "PowerSGDState", "powersgd_hook", "orthogonalize"]
+__all__ = ["HookSpec", "parse_ddp_hook", "ddp_mode_overrides", "build_hook", "PeerHook", "PowerSGDState",
+           "powersgd_hook", "orthogonalize"]
 
 POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
 LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
@@ -61,6 +64,8 @@ def parse_ddp_hook(spec: str | None) -> HookSpec:
     head = {"": "none", "fp32": "none", "allreduce": "none"}.get(head, head)
     bad = f"ddp hook {spec!r}"
     allowed = {"powersgd": {"rank", "start", "impl"}, "localsgd": {"period", "start"}}.get(head)
+    if head == "sparse":
+        raise ValueError(f"{bad}: sparse is not a DDP comm hook; use --sparse-embeddings (bench compare's ddp:sparse)")
     if head not in ("none", "fp16", "bf16", "powersgd", "localsgd"):
         raise ValueError(f"unknown {bad}; use {SPECS}")
     params = {}
@@ -89,6 +94,18 @@ def parse_ddp_hook(spec: str | None) -> HookSpec:
     if "period" not in params:
         raise ValueError(f"{bad}: localsgd needs period=H (average the models every H steps)")
     return HookSpec("localsgd", period=integer("period", 1, 1), start=integer("start", LOCALSGD_START, 0))
+
+
+def ddp_mode_overrides(spec: str | None) -> dict:
+    """bench compare's `ddp[:<spec>]` -> TrainConfig overrides: a comm hook (parse_ddp_hook), or `sparse`, which is
+    not a hook: DDP's default allreduce with nn.Embedding(sparse=True) tables (--sparse-embeddings); it takes no hook."""
+    text = (spec or "").strip().lower()
+    if re.split(r"[:,]", text)[0] == "sparse":
+        if text != "sparse":
+            raise ValueError(f"ddp:sparse takes no hook (sparse gradients go through DDP's default allreduce), got {spec!r}")
+        return {"mode": "allreduce", "sparse_embeddings": True}
+    hook = str(parse_ddp_hook(spec or "none"))
+    return {"mode": "allreduce"} if hook == "none" else {"mode": "allreduce", "ddp_hook": hook}
 
 
 # ---- bytes each hook hands to allreduce ----------------------------------------------------------------

@@ -3,6 +3,11 @@
 * `allreduce`: the whole model, dense rows x dim table included, is a DDP module (gloo): every step
   allreduces the table's full dense gradient; the table's optimizer runs locally on every rank
   (torch.optim.SGD / Adagrad / Adam on the dense table).
+* `allreduce` with --sparse-embeddings (bench compare's `ddp:sparse`, what a DDP user runs): the table is
+  nn.Embedding(sparse=True); DDP reduces its sparse COO gradient in a bucket of its own (gloo's sparse
+  allreduce: an allgather of every rank's coalesced row indices and values, summed locally; our hook divides
+  by the world size first, so the mean as for the dense table), the MLP's as usual; the table's optimizer is a
+  sparse one: SGD, Adagrad, or SparseAdam for adam (lazy, as the PS's row-wise adam).
 * `ps`: the whole model is on the parameter servers with dense pushes (DistributedOptimizer): every
   step pushes the table's dense gradient and pulls it back; one server optimizer (--optimizer) for all.
 * `hybrid`: modules selected by --ps-params (every nn.Embedding by default) live on the PS, row-sparse
@@ -48,17 +53,20 @@ HYBRID_TIMING_METHOD = ("hybrid: blocked = sparse pull + exposed dense allreduce
                         "wait = server-side BSP wait of the pulls; comm = blocked - wait")
 
 
-def _dense_table_optimizer(cfg: TrainConfig, params):
+def table_optimizer(cfg: TrainConfig, params, sparse: bool = False):
+    """The local table optimizer of the allreduce modes: --embedding-optimizer at --embedding-lr (the PS table's
+    eps). sparse: for a sparse gradient; torch's SGD and Adagrad take one as is, adam becomes SparseAdam."""
     if cfg.embedding_optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=cfg.embedding_lr, eps=1e-10)
     if cfg.embedding_optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.embedding_lr)
+        return (torch.optim.SparseAdam if sparse else torch.optim.Adam)(params, lr=cfg.embedding_lr)
     return torch.optim.SGD(params, lr=cfg.embedding_lr)
 
 
 def _model(cfg: TrainConfig, materialize: bool) -> CTRModel:
     return CTRModel(cfg.embedding_rows, cfg.embedding_dim, cfg.embedding_fields, cfg.hidden, cfg.layers, cfg.seed,
-                    materialize_table=materialize, table_spec=table_spec(cfg))
+                    materialize_table=materialize, table_spec=table_spec(cfg),
+                    sparse=materialize and cfg.sparse_embeddings)
 
 
 def _logical_params(cfg: TrainConfig, model) -> int:
@@ -97,6 +105,33 @@ def _loop(cfg, rank, body, desc) -> tuple[CTRData, RunRecorder]:
 
 
 # ---- allreduce: everything through DDP -----------------------------------------------------------------
+class SparseHookState(AllreduceHookState):
+    """AllreduceHookState + the bytes of the sparse buckets (nn.Embedding(sparse=True) gradients) this step."""
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size)
+        self.sparse_sent = 0
+
+    def new_step(self) -> None:
+        super().new_step()
+        self.sparse_sent = 0
+
+
+def sparse_aware_hook(state: SparseHookState, bucket):
+    """timed_allreduce_hook for dense buckets. A sparse bucket (DDP gives a sparse gradient a bucket of its own)
+    is divided by the world size and allreduced by gloo's sparse allreduce, an allgather of each rank's coalesced
+    (row index int64, values) pairs: a rank sends (W-1) x its own pairs' bytes in the ring (exact on average)."""
+    buf = bucket.buffer()
+    if not buf.is_sparse:
+        return timed_allreduce_hook(state, bucket)
+    state.last_ready = max(state.last_ready, time.time())
+    buf = buf.coalesce()
+    vals = buf.values()
+    state.sparse_sent += (state.world_size - 1) * (buf.indices().numel() * 8 + vals.numel() * vals.element_size())
+    fut = dist.all_reduce(buf.div_(state.world_size), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
 def train_ctr_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1",
                         master_port: int = 29500, bucket_cap_mb: float = 25.0) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -105,30 +140,36 @@ def train_ctr_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_add
     init_process_group(cfg, rank, world_size, master_addr, master_port)
     try:
         model = _model(cfg, True)
+        sparse = cfg.sparse_embeddings
         ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
-        state = AllreduceHookState(world_size)
-        ddp.register_comm_hook(state, timed_allreduce_hook)
+        state = SparseHookState(world_size)
+        ddp.register_comm_hook(state, sparse_aware_hook)
         opt_d = local_optimizer(cfg, model.mlp.parameters())
-        opt_e = _dense_table_optimizer(cfg, [model.emb.weight])
-        sent = {"bytes": 0}
+        opt_e = table_optimizer(cfg, [model.emb.weight], sparse)
+        sent = {"bytes": 0, "sparse": 0}
 
         def body(run, step, ids, dense, y):
             state.new_step()
             loss = F.binary_cross_entropy_with_logits(ddp(ids, dense), y)
             opt_d.zero_grad(set_to_none=False)
-            opt_e.zero_grad(set_to_none=False)
+            opt_e.zero_grad(set_to_none=sparse)          # a sparse gradient is replaced, not accumulated into
             t = time.perf_counter()
             loss.backward()
             run.comm(state.exposed_comm_s(time.time(), time.perf_counter() - t))
-            sent["bytes"] += ring_bytes(state.bucket_bytes, world_size)
+            sent["bytes"] += ring_bytes(state.bucket_bytes, world_size) + state.sparse_sent
+            sent["sparse"] += state.sparse_sent
             opt_d.step()
             opt_e.step()
             return loss.item()
         dist.barrier()
-        data, run = _loop(cfg, rank, body, f"worker {rank} (allreduce, ctr)")
+        data, run = _loop(cfg, rank, body, f"worker {rank} (allreduce{', sparse table' if sparse else ''}, ctr)")
         ev = evaluate(model, data)
-        res = _result(cfg, run, ev, _logical_params(cfg, model), sent["bytes"], sent["bytes"],
-                      {"timing_method": "ddp-comm-hook: comm = backward return - last bucket ready (wait not split)"})
+        save_model(cfg, rank, model)
+        extra = {"timing_method": "ddp-comm-hook: comm = backward return - last bucket ready (wait not split)"}
+        if sparse:
+            extra.update(sparse_embeddings=True, sparse_allgather_bytes=sent["sparse"],
+                         table_optimizer=type(opt_e).__name__)
+        res = _result(cfg, run, ev, _logical_params(cfg, model), sent["bytes"], sent["bytes"], extra)
         dist.barrier()
         return res.to_dict()
     finally:

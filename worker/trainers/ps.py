@@ -1,4 +1,4 @@
-"""The trainer one worker process runs: MLP on digits through the parameter servers."""
+"""The trainer one worker process runs: MLP on digits (or --workload clf) through the parameter servers."""
 from __future__ import annotations
 
 import logging
@@ -18,7 +18,8 @@ from worker.trainers.base import (
     distributed_optimizer,
     save_model,
 )
-from worker.workloads.digits import elastic_batches, load_digits_split, worker_batches
+from worker.workloads import load_split
+from worker.workloads.digits import elastic_batches, worker_batches
 from worker.workloads.mlp import accuracy, make_mlp, param_count
 
 log = logging.getLogger("deltaps.worker")
@@ -63,12 +64,17 @@ def _install_sigterm(opt) -> threading.Event:
     return stopping
 
 
+def _global_accuracy(opt, model, x, y) -> float:
+    with opt.global_model():
+        return accuracy(model, x, y)
+
+
 def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, metrics=None,
              security=None) -> dict:
     """Train for cfg.steps, then evaluate the servers' final parameters on the held-out split.
     metrics: optional worker.metrics.WorkerMetrics fed once per step; security: deltaps.security.Security."""
     torch.set_num_threads(1)
-    x_tr, y_tr, x_te, y_te = load_digits_split(cfg.seed)
+    x_tr, y_tr, x_te, y_te = load_split(cfg.workload, cfg.seed)
     model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed)
     opt = distributed_optimizer(cfg, model, servers, rank, world_size, security)
     stopping = _install_sigterm(opt)
@@ -110,6 +116,9 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
         step_s = run.record(loss.item(), wire_bytes=opt.client.stats.snapshot().get("bytes_pushed_wire", 0) - wire0)
         if metrics is not None:
             metrics.on_step(step_s, loss.item(), len(yb))
+        # the global model (what step() pulled; local-update jobs: the shards' model as last pulled); may end
+        # the loop (bsp only: the same model, and decision, on every rank)
+        run.evaluate(lambda: _global_accuracy(opt, model, x_te, y_te), synced=opt.synced)
     if stopping.is_set():   # SIGTERM: leave without the end-of-job barriers; the shards evict us
         log.warning("worker %d: SIGTERM at step %d; closing channels and exiting", rank, opt.clock)
         opt.close()

@@ -76,13 +76,14 @@ class CTRModel(nn.Module):
     """Embedding (rows x dim, shared by all fields) -> concat with dense features -> MLP -> click logit."""
 
     def __init__(self, rows: int, dim: int = 64, fields: int = 8, hidden: int = 256, layers: int = 2, seed: int = 0,
-                 materialize_table: bool = True, table_spec: TableSpec | None = None):
+                 materialize_table: bool = True, table_spec: TableSpec | None = None, sparse: bool = False):
         super().__init__()
         self.fields, self.dim = fields, dim
         # the table's initial values are ps.embedding's hash init, in every mode (the PS computes the same);
-        # hybrid mode builds a 1-row placeholder that replace_embeddings swaps for a PSEmbedding
+        # hybrid mode builds a 1-row placeholder that replace_embeddings swaps for a PSEmbedding;
+        # sparse=True: the table's gradient is a sparse COO tensor of the batch's rows (bench compare's ddp:sparse)
         spec = table_spec or TableSpec("emb", rows, dim, seed=seed)
-        self.emb = nn.Embedding(rows if materialize_table else 1, dim,
+        self.emb = nn.Embedding(rows if materialize_table else 1, dim, sparse=sparse,
                                 _weight=dense_init(spec) if materialize_table else torch.zeros(1, dim))
         torch.manual_seed(seed)   # the MLP's init does not depend on how the table was made
         mods, width = [], fields * dim + DENSE

@@ -20,6 +20,7 @@ def param_count(model: nn.Module) -> int:
 
 
 @torch.no_grad()
+@torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
     acc = (model(x).argmax(1) == y).float().mean().item()

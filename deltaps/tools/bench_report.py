@@ -1,0 +1,197 @@
+"""`deltaps bench compare`'s report: time to accuracy (the headline), the text table, the header and the PNG.
+
+Time to accuracy (--eval-every, --target-accuracy): every worker evaluates the test accuracy every N steps,
+timed apart from training (worker/trainers/base.py RunRecorder), and the run stops at the first evaluation
+that reaches the target. A mode's `time_to_target_s` is the largest over its ranks of the training seconds
+before that evaluation (the job has reached the target when its slowest rank has; the ranks stop at the same
+step by construction, so their figures differ only by clock skew between processes); `steps_to_target` is
+that step. `best_peer` is the fastest-to-target mode whose spec head is ddp or allreduce (what a user already
+runs); `speedup_vs_best_peer` / `speedup_vs_ddp` = that peer's (fp32 DDP's) time to target / the mode's,
+null when either never reached the target.
+"""
+from __future__ import annotations
+
+ACCURACY_FLAG = 0.005      # |final accuracy - fp32 DDP's| above this (0.5 points) is flagged: "!", red in the PNG
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return str(n)
+
+
+def is_peer(spec: str) -> bool:
+    """A DDP mode (plain or with a comm hook): what deltaps is raced against."""
+    return spec.strip().partition(":")[0] in ("ddp", "allreduce")
+
+
+def eval_fields(results: list[dict]) -> dict:
+    """A mode's time-to-accuracy fields from its workers' result dicts ({} when they did not evaluate).
+    The curve: rank 0's accuracies (the same on every rank in the sync modes) at the largest rank's clock."""
+    if not any("evals" in r for r in results):
+        return {}
+    reached = [r["time_to_target_s"] for r in results if r.get("time_to_target_s") is not None]
+    all_reached = len(reached) == len(results)
+    curve = [{"step": pts[0]["step"], "time_s": max(p["time_s"] for p in pts), "test_accuracy": pts[0]["test_accuracy"]}
+             for pts in zip(*(r["evals"] for r in results))]
+    return {"time_to_target_s": max(reached) if all_reached else None,
+            "steps_to_target": results[0].get("steps_to_target") if all_reached else None,
+            "evals": curve, "eval_s": max(r.get("eval_s", 0.0) for r in results)}
+
+
+def _ratio(reference: dict | None, m: dict) -> float | None:
+    a, b = (reference or {}).get("time_to_target_s"), m.get("time_to_target_s")
+    return a / b if a is not None and b else None
+
+
+def add_time_to_accuracy(report: dict, target: float | None) -> None:
+    """report['target'], report['best_peer'] and, per mode, the time-to-target speed-ups and the accuracy flag."""
+    modes = {k: m for k, m in report["modes"].items() if "error" not in m}
+    report["target"] = target or None
+    peers = [k for k, m in modes.items() if is_peer(k) and m.get("time_to_target_s") is not None]
+    best = min(peers, key=lambda k: modes[k]["time_to_target_s"], default=None)
+    report["best_peer"] = best
+    ddp = modes.get("ddp", modes.get("allreduce"))
+    for m in modes.values():
+        m.setdefault("time_to_target_s", None)
+        m.setdefault("steps_to_target", None)
+        m["speedup_vs_best_peer"] = _ratio(modes.get(best), m)
+        m["speedup_vs_ddp"] = _ratio(ddp, m)
+        da = m.get("accuracy_delta_vs_allreduce")
+        m["accuracy_flag"] = da is not None and abs(da) > ACCURACY_FLAG
+
+
+def _table(cols: list[str], rows: list[list]) -> str:
+    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"x{v:.2f}"
+
+
+def format_table_mlp(report: dict) -> str:
+    """The MLP workloads' table (digits, clf); with a target, the time-to-accuracy columns lead."""
+    timed = bool(report.get("target"))
+    cols = ["mode"] + (["time to target", "steps to target", "x vs best peer", "x vs ddp"] if timed else []) + [
+        "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step", "test acc", "Δacc vs AR",
+        "speed-up vs AR"]
+    rows = []
+    for spec, m in report["modes"].items():
+        if "error" in m:
+            rows.append([spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (len(cols) - 2))
+            continue
+        da, t = m.get("accuracy_delta_vs_allreduce"), m.get("time_to_target_s")
+        lead = [f"{t:.2f} s" if t is not None else "not reached", m.get("steps_to_target") or "—",
+                _x(m.get("speedup_vs_best_peer")), _x(m.get("speedup_vs_ddp"))] if timed else []
+        rows.append([spec] + lead + [
+            f"{m['median_step_s'] * 1e3:.1f} ms", f"{m['samples_per_s']:.0f}",
+            f"{m['compute_share']:.0%}/{m['comm_share']:.0%}/{m['wait_share']:.0%}",
+            fmt_bytes(m["bytes_per_step"]),
+            fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a",
+            f"{m['final_test_accuracy'] * 100:.2f} %",
+            "—" if da is None else f"{da * 100:+.2f} pp" + (" !" if m.get("accuracy_flag") else ""),
+            _x(m.get("speedup_vs_allreduce"))])
+    notes = []
+    if timed:
+        notes.append(f"time to target = training seconds (evaluations excluded) until test accuracy >= "
+                     f"{report['target']:.4g}, largest over ranks; x vs best peer = best peer's "
+                     f"({report.get('best_peer') or 'none reached it'}) time to target / mode's; x vs ddp = fp32 DDP's / mode's")
+    if any(m.get("accuracy_flag") for m in report["modes"].values()):
+        notes.append(f"! = final accuracy differs from fp32 DDP's by more than {ACCURACY_FLAG * 100:.1f} points")
+    return "\n".join([_table(cols, rows)] + notes)
+
+
+def model_line(report: dict) -> str:
+    if report.get("workload") == "ctr":
+        e = report["embedding"]
+        return (f"model: click-through, embedding {e['rows']:,} x {e['dim']} ({fmt_bytes(e['rows'] * e['dim'] * 4)}, "
+                f"{e['optimizer']} lr {e['lr']}), {e['fields']} Zipf({e['zipf_a']}) fields + 13 dense -> "
+                f"MLP {report['hidden']}x{report['layers']}; {report['model_params']:,} params")
+    data = " on clf (synthetic 10-class task)" if report.get("workload") == "clf" else ""
+    return (f"model: MLP 64-{report['hidden']}x{report['layers']}-10{data}, {report['model_params']:,} params "
+            f"({fmt_bytes(report['model_params'] * 4)} of fp32 gradient per step)")
+
+
+def header(report: dict) -> str:
+    net = report["network"]
+    steps = f"{'up to ' if report.get('target') else ''}{report['steps']} steps"
+    lines = [f"deltaps bench compare: {report['workers']} workers, {report['servers']} PS shards, "
+             f"{steps} x batch {report['batch_size']}/worker, optimizer {report['optimizer']} "
+             f"lr {report['lr']}, seed {report['seed']}", model_line(report),
+             f"network: {net['description']}"]
+    if report.get("eval_every"):
+        target = f"stop at test accuracy {report['target']:.4g}, " if report.get("target") else ""
+        lines.append(f"evaluation: {target}test accuracy every {report['eval_every']} steps (evaluation time is "
+                     f"not on the clock)")
+    if net.get("measured_link_gbit_s") is not None:
+        lines.append(f"         measured one TCP stream worker->worker: {net['measured_link_gbit_s']:.3f} Gbit/s")
+    lines.append(f"host: {report['host_cpus']} CPU cores shared by all processes "
+                 f"({report['workers']} workers + {report['servers']} shards in ps modes)")
+    for n in net.get("notes", []):
+        lines.append(f"NOTE: {n}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Step split per mode, final accuracy per mode (flagged ones red) and, when there were evaluations,
+    test accuracy against training seconds with the target line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [k for k, m in report["modes"].items() if "error" not in m]
+    ms = [report["modes"][k] for k in modes]
+    curves = any(m.get("evals") for m in ms)
+    ratios = [2, 1, 2] if curves else [2, 1]
+    fig, axes = plt.subplots(1, len(ratios), figsize=(max(8, 2.2 * len(modes) + 4) + (6 if curves else 0), 4.5),
+                             gridspec_kw={"width_ratios": ratios})
+    ax1, ax2 = axes[0], axes[1]
+    x = range(len(modes))
+    bottom = [0.0] * len(modes)
+    for key, label, color in (("compute_s_per_step", "compute", "#4c72b0"), ("comm_s_per_step", "comm", "#dd8452"),
+                              ("wait_s_per_step", "wait", "#c44e52")):
+        vals = [m[key] * 1e3 for m in ms]
+        ax1.bar(x, vals, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, m in enumerate(ms):
+        sp = m.get("speedup_vs_allreduce")
+        ax1.text(i, bottom[i], f"{bottom[i]:.0f} ms" + (f"\nx{sp:.2f}" if sp else ""), ha="center", va="bottom",
+                 fontsize=8)
+    ax1.set_ylim(0, max(bottom, default=0) * 1.15 or 1)    # headroom for the labels above the bars
+    ax1.set_xticks(list(x), modes, rotation=15, fontsize=8)
+    ax1.set_ylabel("mean step time (ms)")
+    ax1.set_title(f"step split, {report['workers']} workers @ {report['bandwidth']}"
+                  + ("" if report["shaped"] else " (loopback, NOT shaped)"), fontsize=9)
+    ax1.legend(fontsize=8)
+    accs = [m["final_test_accuracy"] * 100 for m in ms]
+    ax2.bar(x, accs, color=["#d62728" if m.get("accuracy_flag") else "#55a868" for m in ms])
+    for i, a in enumerate(accs):
+        ax2.text(i, a, f"{a:.1f}", ha="center", va="bottom", fontsize=8)
+    ax2.set_ylim(max(0, min(accs, default=0) - 10), 100)
+    ax2.set_xticks(list(x), modes, rotation=15, fontsize=8)
+    ax2.set_ylabel("final test accuracy (%)")
+    ax2.set_title(f"accuracy, MLP {report['model_params'] / 1e6:.1f}M params (red: >0.5 pp off ddp)", fontsize=9)
+    if curves:
+        ax3 = axes[2]
+        for spec, m in zip(modes, ms):
+            pts = m.get("evals") or []
+            t = m.get("time_to_target_s")
+            label = f"{spec}: " + (f"{t:.2f} s" if t is not None else "not reached") + (" !" if m.get("accuracy_flag") else "")
+            ax3.plot([p["time_s"] for p in pts], [p["test_accuracy"] * 100 for p in pts], marker=".", label=label,
+                     linestyle="--" if is_peer(spec) else "-")
+        if report.get("target"):
+            ax3.axhline(report["target"] * 100, color="black", linewidth=0.8, linestyle=":", label="target")
+        ax3.set_xlabel("training time (s, evaluations excluded)")
+        ax3.set_ylabel("test accuracy (%)")
+        ax3.set_title(f"time to accuracy (best peer: {report.get('best_peer') or '—'})", fontsize=9)
+        legend = ax3.legend(fontsize=7)
+        for text, m in zip(legend.get_texts(), ms):
+            if m.get("accuracy_flag"):
+                text.set_color("#d62728")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

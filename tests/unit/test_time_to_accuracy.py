@@ -1,0 +1,188 @@
+"""Time to accuracy (issue 17): the clf workload, evaluation during training in RunRecorder (never on the clock),
+the config rules, and bench compare's report math on hand-made results. No sockets, no processes."""
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deltaps.config import TrainConfig, load_config
+from deltaps.tools import bench_report as br
+from worker.trainers import base
+from worker.workloads import MLP_WORKLOADS, load_split
+from worker.workloads.clf import CLASSES, FEATURES, TEST, TRAIN
+from worker.workloads.digits import worker_batches
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- the workload -------------------------------------------------------------------------------------
+def test_clf_is_deterministic_and_shaped():
+    a, b, c = load_split("clf", 0), load_split("clf", 0), load_split("clf", 1)
+    x_tr, y_tr, x_te, y_te = a
+    assert x_tr.shape == (TRAIN, FEATURES) and x_te.shape == (TEST, FEATURES) and FEATURES == 64
+    assert x_tr.dtype == x_te.dtype == torch.float32 and y_tr.dtype == torch.int64
+    assert set(y_tr.unique().tolist()) == set(range(CLASSES)) and CLASSES == 10
+    assert all(torch.equal(u, v) for u, v in zip(a, b))                 # the seed alone decides
+    assert not torch.equal(x_tr, c[0])
+    assert abs(x_tr.mean().item()) < 1e-3                                # standardised on the training split
+    assert "mlp" in MLP_WORKLOADS and load_split("mlp", 0)[0].shape[1] == 64   # digits stays the default
+    with pytest.raises(ValueError, match="ctr"):
+        load_split("ctr")
+
+
+def test_clf_is_sharded_like_digits():
+    x, y, _, _ = load_split("clf", 0)
+    seen = []
+    for rank in range(4):                                # the first 20 batches of each rank: disjoint rows
+        it = worker_batches(x, y, rank, 4, 32, 0)
+        rows = torch.cat([next(it)[0] for _ in range(20)])
+        assert rows.shape == (640, 64)
+        seen.append({tuple(r[:4].tolist()) for r in rows})
+    assert sum(len(s) for s in seen) == len(set().union(*seen)) == 4 * 640
+    for name in ("ps.py", "allreduce.py"):               # both trainers pick the data through the one registry
+        src = (ROOT / "worker" / "trainers" / name).read_text()
+        assert "load_split(cfg.workload" in src and "load_digits_split" not in src and "worker_batches(" in src
+
+
+# ---- config -------------------------------------------------------------------------------------------
+def test_eval_and_target_flags_are_validated():
+    load_config(None, {"workload": "clf", "eval_every": 10, "target_accuracy": 0.9})
+    load_config(None, {"mode": "allreduce", "ddp_hook": "localsgd:period=8", "eval_every": 5, "target_accuracy": 0.5})
+    load_config(None, {"sync": "asp", "eval_every": 10})                  # asp: evals recorded, no stop
+    with pytest.raises(ValueError, match="different model"):
+        load_config(None, {"sync": "ssp:2", "eval_every": 10, "target_accuracy": 0.9})
+    with pytest.raises(ValueError, match="needs --eval-every"):
+        load_config(None, {"target_accuracy": 0.9})
+    with pytest.raises(ValueError, match="--mode ps / allreduce"):
+        load_config(None, {"workload": "ctr", "eval_every": 10})
+    with pytest.raises(ValueError, match="target-accuracy <= 1"):
+        load_config(None, {"eval_every": 10, "target_accuracy": 90})
+
+
+# ---- RunRecorder: evaluations are timed apart ------------------------------------------------------------
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _recorder(monkeypatch, **cfg):
+    clock = FakeClock()
+    monkeypatch.setattr(base, "time", SimpleNamespace(perf_counter=clock))
+    c = TrainConfig(progress=False, batch_size=8, **cfg)
+    return base.RunRecorder(c, 0, "test", logging.getLogger("test")), clock
+
+
+def test_evaluation_is_off_the_clock_and_stops_at_the_target(monkeypatch):
+    run, clock = _recorder(monkeypatch, steps=10, eval_every=3, target_accuracy=0.8)
+    accs = iter([0.5, 0.85, 0.99])
+
+    def evaluate():
+        clock.t += 5.0                                   # a slow evaluation: must not count
+        return next(accs)
+    body = []
+    for step in run.steps():
+        body.append(step)
+        clock.t += 1.0
+        run.record(1.0)
+        run.evaluate(evaluate)
+    assert body == list(range(6))                        # stopped after the step whose evaluation hit 0.8
+    assert run.step_times == [1.0] * 6 and run.wall_s == pytest.approx(6.0) and run.eval_s == pytest.approx(10.0)
+    assert run.evals == [{"step": 3, "time_s": 3.0, "test_accuracy": 0.5},
+                         {"step": 6, "time_s": 6.0, "test_accuracy": 0.85}]
+    d = run.result(final_test_accuracy=0.85, model_params=1, extras={"backend": "gloo"}).to_dict()
+    assert d["steps"] == 6 and d["samples_per_s"] == pytest.approx(6 * 8 / 6.0)    # steps actually run
+    assert (d["steps_to_target"], d["time_to_target_s"], d["target_accuracy"]) == (6, 6.0, 0.8)
+    assert d["backend"] == "gloo" and d["evals"] == run.evals
+
+
+def test_never_reaching_the_target_runs_every_step(monkeypatch):
+    run, clock = _recorder(monkeypatch, steps=4, eval_every=2, target_accuracy=0.9)
+    for _ in run.steps():
+        clock.t += 1.0
+        run.record(1.0)
+        run.evaluate(lambda: 0.1)
+    d = run.result(final_test_accuracy=0.1, model_params=1).to_dict()
+    assert d["steps"] == 4 and d["steps_to_target"] is None and d["time_to_target_s"] is None
+    assert [e["step"] for e in d["evals"]] == [2, 4]
+    off, _ = _recorder(monkeypatch, steps=2)
+    for _ in off.steps():
+        off.record(1.0)
+        assert off.evaluate(lambda: 1 / 0) is False      # --eval-every 0: never called, no extra keys
+    assert "evals" not in off.result(final_test_accuracy=0.0, model_params=1).to_dict()
+
+
+def test_a_due_evaluation_waits_for_a_synced_model(monkeypatch):
+    run, clock = _recorder(monkeypatch, steps=10, eval_every=2)
+    for step in run.steps():                             # local SGD with period 3: replicas agree every 3rd step
+        clock.t += 1.0
+        run.record(1.0)
+        run.evaluate(lambda: 0.5, synced=(step + 1) % 3 == 0)
+    assert [e["step"] for e in run.evals] == [3, 6, 9]
+
+
+# ---- bench compare's report ---------------------------------------------------------------------------
+def _mode(t, acc, steps=None, delta=0.0):
+    return {"time_to_target_s": t, "steps_to_target": steps, "final_test_accuracy": acc, "median_step_s": 0.1,
+            "bytes_per_step": 1e6, "accuracy_delta_vs_allreduce": delta, "samples_per_s": 100.0,
+            "compute_share": 0.5, "comm_share": 0.3, "wait_share": 0.2, "speedup_vs_allreduce": 1.0,
+            "compute_s_per_step": 0.05, "comm_s_per_step": 0.03, "wait_s_per_step": 0.02,
+            "evals": [{"step": 10, "time_s": 1.0, "test_accuracy": 0.5}, {"step": 20, "time_s": 2.0, "test_accuracy": acc}]}
+
+
+def _report():
+    return {"modes": {"ddp": _mode(10.0, 0.90, 300), "ddp:fp16": _mode(8.0, 0.901, 300, 0.001),
+                      "ddp:localsgd:period=8": _mode(None, 0.85, None, -0.05),
+                      "ps:int8": _mode(4.0, 0.894, 280, -0.006), "ps:topk:ratio=0.01": _mode(None, 0.80, None, -0.1),
+                      "ps:none": {"error": "worker 1 failed"}},
+            "workload": "clf", "workers": 4, "bandwidth": "1gbit", "shaped": False, "model_params": 648202}
+
+
+def test_best_peer_and_speedups():
+    r = _report()
+    br.add_time_to_accuracy(r, 0.9)
+    m = r["modes"]
+    assert r["target"] == 0.9 and r["best_peer"] == "ddp:fp16"          # fastest ddp*/allreduce* to the target
+    assert m["ps:int8"]["speedup_vs_best_peer"] == pytest.approx(2.0)
+    assert m["ps:int8"]["speedup_vs_ddp"] == pytest.approx(2.5)
+    assert m["ddp:fp16"]["speedup_vs_best_peer"] == pytest.approx(1.0)
+    for spec in ("ddp:localsgd:period=8", "ps:topk:ratio=0.01"):         # never reached: null, not zero
+        assert m[spec]["speedup_vs_best_peer"] is None and m[spec]["speedup_vs_ddp"] is None
+    assert [k for k, v in m.items() if v.get("accuracy_flag")] == ["ddp:localsgd:period=8", "ps:int8",
+                                                                   "ps:topk:ratio=0.01"]
+    assert not m["ddp:fp16"]["accuracy_flag"]                            # 0.1 point: inside the 0.5 budget
+    assert "speedup_vs_ddp" not in m["ps:none"]
+    table = br.format_table_mlp(r)
+    assert "time to target" in table and "x vs best peer" in table and "-0.60 pp !" in table
+    assert "not reached" in table and "FAILED" in table and "x2.50" in table
+
+
+def test_no_peer_reached_the_target():
+    r = _report()
+    for spec in ("ddp", "ddp:fp16"):
+        r["modes"][spec]["time_to_target_s"] = None
+    br.add_time_to_accuracy(r, 0.9)
+    assert r["best_peer"] is None
+    assert r["modes"]["ps:int8"]["speedup_vs_best_peer"] is None and r["modes"]["ps:int8"]["speedup_vs_ddp"] is None
+
+
+def test_eval_fields_take_the_slowest_rank():
+    def res(t, times):
+        return {"time_to_target_s": t, "steps_to_target": 20 if t else None, "eval_s": 0.3,
+                "evals": [{"step": 10 * (i + 1), "time_s": s, "test_accuracy": 0.5 + i / 10} for i, s in enumerate(times)]}
+    f = br.eval_fields([res(2.0, [1.0, 2.0]), res(2.5, [1.2, 2.5])])
+    assert f["time_to_target_s"] == 2.5 and f["steps_to_target"] == 20
+    assert [p["time_s"] for p in f["evals"]] == [1.2, 2.5]
+    assert br.eval_fields([res(2.0, [1.0]), res(None, [1.0])])["time_to_target_s"] is None
+    assert br.eval_fields([{"steps": 3}]) == {}
+
+
+def test_plot_draws_the_curves(tmp_path):
+    r = _report()
+    br.add_time_to_accuracy(r, 0.9)
+    br.plot(r, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
