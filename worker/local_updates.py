@@ -50,9 +50,11 @@ class LocalUpdates:
         self.offsets = [((f + 1) * local_steps // F) % local_steps for f in range(F)]
         self.overlap = F > 1
         self.params = dict(dopt.named)
-        self.inner = 0                          # inner steps taken since the job's start (this worker)
+        # a worker (re)joining a running job at round r is at inner step r x H: its schedule is everyone's
+        # (streaming: every fragment restarts at the slowest one's round; the shards ignore pushes they have)
+        self.inner = dopt.round * local_steps   # inner steps of the job so far (this worker's clock)
         self.rounds = [dopt.round] * F          # server step of each fragment's next round
-        self.synced_at = [0] * F                # inner step count at each fragment's last sync
+        self.synced_at = [self.inner] * F       # inner step count at each fragment's last sync
         self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor], float]] = {}
         self.outer_rounds = 0                   # fragment rounds completed (metrics)
         self.last_delta_norm = 0.0              # L2 norm of the last pushed delta (metrics)

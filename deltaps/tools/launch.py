@@ -147,9 +147,10 @@ def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> di
     total = lambda k: sum(r[k] for r in results)  # noqa: E731
     raw, wire = total("bytes_pushed_raw"), total("bytes_pushed_wire")
     r0 = results[0]
+    steps = max(r.get("steps", cfg.steps) for r in results)   # fewer than cfg.steps when a target stopped the job
     return {
         "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "workers": cfg.workers, "servers": cfg.servers,
-        "steps": cfg.steps, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer, "lr": cfg.lr,
+        "steps": steps, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer, "lr": cfg.lr,
         "model_params": r0["model_params"],
         "final_test_accuracy": r0["final_test_accuracy"],
         "final_train_loss": mean("final_train_loss"),
@@ -159,7 +160,7 @@ def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> di
         "samples_per_s": total("samples_per_s"),
         "bytes_pushed_wire": wire, "bytes_pushed_raw": raw, "bytes_pulled_wire": total("bytes_pulled_wire"),
         "compression_ratio": raw / wire if wire else 1.0,
-        "bytes_pushed_wire_per_step": wire / max(1, cfg.steps),
+        "bytes_pushed_wire_per_step": wire / max(1, steps),
         "final_codec": r0["final_codec"], "codec_switches": r0["codec_switches"],
         "codec_fallbacks": sum(len(r["codec_fallbacks"]) for r in results),
         "server_stats": r0.get("server_stats", []),

@@ -76,9 +76,14 @@ def load_params(named, values: dict[str, torch.Tensor]) -> None:
             p.copy_(values[n].view_as(p))
 
 
-def adopt_server_params(opt) -> None:
-    """Everyone has pushed everything: take the servers' final parameters (and synchronised buffers) into the model."""
-    opt.flush()     # local-update jobs: the inner steps since the last round reach the shards
+def adopt_server_params(opt, flush: bool = True) -> None:
+    """Everyone has pushed everything: take the servers' final parameters (and synchronised buffers) into the model.
+    flush: a local-update job's inner steps since the last round take a last round first; False when the job
+    stopped because the shards' (global) model reached the target: that model is the result."""
+    if flush:
+        opt.flush()
+    else:
+        opt.synchronize()    # exchanges in flight complete; nothing new is pushed
     opt.client.barrier("train-done")
     opt.load(opt.client.pull(min_version=0))
 

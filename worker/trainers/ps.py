@@ -123,7 +123,7 @@ def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, m
         log.warning("worker %d: SIGTERM at step %d; closing channels and exiting", rank, opt.clock)
         opt.close()
         raise WorkerStopped(f"worker {rank} stopped by SIGTERM at step {opt.clock}")
-    adopt_server_params(opt)
+    adopt_server_params(opt, flush=run.steps_to_target is None)
     acc = accuracy(model, x_te, y_te)
     save_model(cfg, rank, model)
     result = run.result(final_test_accuracy=acc, model_params=param_count(model),
