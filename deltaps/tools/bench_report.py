@@ -185,6 +185,9 @@ def plot(report: dict, path: str) -> None:
                      linestyle="--" if is_peer(spec) else "-")
         if report.get("target"):
             ax3.axhline(report["target"] * 100, color="black", linewidth=0.8, linestyle=":", label="target")
+        times = [p["time_s"] for m in ms for p in (m.get("evals") or []) if p["time_s"] > 0]
+        if times and max(times) > 20 * min(times):   # modes 10-100x apart: a log axis keeps the fast ones readable
+            ax3.set_xscale("log")
         ax3.set_xlabel("training time (s, evaluations excluded)")
         ax3.set_ylabel("test accuracy (%)")
         ax3.set_title(f"time to accuracy (best peer: {report.get('best_peer') or '—'})", fontsize=9)
