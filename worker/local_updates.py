@@ -55,18 +55,13 @@ class LocalUpdates:
         self.inner = dopt.round * local_steps   # inner steps of the job so far (this worker's clock)
         self.rounds = [dopt.round] * F          # server step of each fragment's next round
         self.synced_at = [self.inner] * F       # inner step count at each fragment's last sync
-        self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor], float]] = {}
+        self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor]]] = {}   # fragment -> (futures, p at send)
         self.outer_rounds = 0                   # fragment rounds completed (metrics)
         self.last_delta_norm = 0.0              # L2 norm of the last pushed delta (metrics)
 
     # ---- schedule ------------------------------------------------------------------------------
     def due(self, f: int) -> bool:
         return self.inner % self.H == self.offsets[f] and self.inner >= (self.offsets[f] or self.H)
-
-    @property
-    def synced(self) -> bool:
-        """Every worker holds the same model: no local progress since the last sync, nothing in flight."""
-        return not self.inflight and all(s == self.inner for s in self.synced_at)
 
     # ---- rounds --------------------------------------------------------------------------------
     def after_inner_step(self) -> float:
@@ -100,7 +95,7 @@ class LocalUpdates:
         self.rounds[f] += 1
         d.round = min(self.rounds)            # rounds every fragment has pushed
         self.synced_at[f] = self.inner
-        self.inflight[f] = (futures, sent, time.perf_counter())
+        self.inflight[f] = (futures, sent)
 
     def finish_inflight(self) -> float:
         """Wait for the exchanges in flight and adopt the new global values (keeping progress made since
@@ -109,10 +104,10 @@ class LocalUpdates:
             return 0.0
         d = self.dopt
         t0 = time.perf_counter()
-        waited = max((fut.result() for fs, _, _ in self.inflight.values() for fut in fs), default=0.0)
+        waited = max((fut.result() for fs, _ in self.inflight.values() for fut in fs), default=0.0)
         blocked = time.perf_counter() - t0
         with torch.no_grad():
-            for f, (_, sent, _) in self.inflight.items():
+            for f, (_, sent) in self.inflight.items():
                 for n in self.fragments[f]:
                     p, g = self.params[n], d.staging[n].view_as(self.params[n])
                     if sent:
@@ -120,7 +115,8 @@ class LocalUpdates:
                     else:
                         p.copy_(g)
                 self.outer_rounds += 1
-            d.load_buffers(d.staging)
+            if len(self.fragments) - 1 in self.inflight:     # the round that carried the buffers
+                d.load_buffers(d.staging)
         self.inflight.clear()
         d.note_blocked(blocked, waited)
         return blocked

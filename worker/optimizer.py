@@ -17,8 +17,8 @@ Local updates (`local_steps=H`, DiLoCo-style; worker/local_updates.py): the wrap
 *inner* optimizer and steps locally; every H steps the worker pushes its parameter delta and the shards
 apply `outer` (a deltaps.optimizer_config.OptimizerConfig, default: Nesterov lr 0.9, momentum 0.8). What
 changes for a user: step() runs the wrapped optimizer; gradients never leave the worker; between rounds
-the workers' models differ (`synced` says when they agree); call flush() after the last step (the
-trainers do) so the final inner steps reach the shards.
+the workers' models differ (evaluate inside `global_model()`, the shards' model, where `synced`); call
+flush() after the last step (the trainers do) so the final inner steps reach the shards.
 """
 from __future__ import annotations
 
@@ -210,8 +210,8 @@ class DistributedOptimizer:
                 b.copy_(v if b.is_floating_point() else v.round())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none:      # in-place zeroing must not race a push still reading the gradient
-            self.synchronize()
+        if not set_to_none and self.local is None:   # in-place zeroing must not race a push reading the gradient
+            self.synchronize()                          # (local-update pushes read deltas, never gradients)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
