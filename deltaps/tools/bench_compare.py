@@ -240,34 +240,31 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
     return out
 
 
-_fmt_bytes = bench_report.fmt_bytes     # format_table_ctr's name for it
-
-
 def format_table(report: dict) -> str:
     return format_table_ctr(report) if report.get("workload") == "ctr" else bench_report.format_table_mlp(report)
 
 
+def ddp_sparse_run(report: dict) -> dict | None:
+    """The successful ddp:sparse run of a ctr report (the embedding model's fair DDP peer), if any."""
+    return next((m for s, m in report["modes"].items()
+                 if m.get("median_step_s") and parse_mode(s).get("sparse_embeddings")), None)
+
+
 def format_table_ctr(report: dict) -> str:
     # + speed-ups against the embedding model's fair DDP peer, ddp:sparse (nn.Embedding(sparse=True)), if it ran
-    ref = next((m for s, m in report["modes"].items() if m.get("median_step_s") and parse_mode(s).get("sparse_embeddings")), None)
-    cols = ["mode", "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step",
-            "test AUC", "test logloss", "max |Δloss| vs AR", "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
+    ref = ddp_sparse_run(report)
+    cols = ["mode", *bench_report.STEP_COLS, "test AUC", "test logloss", "max |Δloss| vs AR",
+            "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
     rows = []
     for spec, m in report["modes"].items():
         if "error" in m:
-            rows.append([spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (len(cols) - 2))
+            rows.append(bench_report.failed_row(spec, m, len(cols)))
             continue
         sp, dl = m.get("speedup_vs_allreduce"), m.get("loss_curve_max_abs_diff_vs_allreduce")
-        rows.append([spec, f"{m['median_step_s'] * 1e3:.1f} ms", f"{m['samples_per_s']:.0f}",
-                     f"{m['compute_share']:.0%}/{m['comm_share']:.0%}/{m['wait_share']:.0%}",
-                     _fmt_bytes(m["bytes_per_step"]),
-                     _fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a",
-                     f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
+        rows.append([spec, *bench_report.step_cells(m), f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
                      "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
                     + ([f"x{ref['median_step_s'] / m['median_step_s']:.2f}"] if ref else []))
-    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+    return bench_report.table(cols, rows)
 
 
 def compare(args) -> dict:
@@ -371,8 +368,7 @@ def compare(args) -> dict:
                 m["auc_delta_vs_allreduce"] = m["final_test_auc"] - ar["final_test_auc"]
     else:
         report["network"]["notes"].append("no successful allreduce run in this invocation: no speed-ups computed")
-    sparse = next((m for s, m in report["modes"].items()
-                   if m.get("median_step_s") and parse_mode(s).get("sparse_embeddings")), None)
+    sparse = ddp_sparse_run(report)
     for m in report["modes"].values():      # ctr: hybrid against the DDP a user would run (sparse gradients)
         if sparse and "error" not in m:
             m["speedup_vs_ddp_sparse"] = sparse["median_step_s"] / m["median_step_s"]

@@ -63,7 +63,8 @@ def add_time_to_accuracy(report: dict, target: float | None) -> None:
         m["accuracy_flag"] = da is not None and abs(da) > ACCURACY_FLAG
 
 
-def _table(cols: list[str], rows: list[list]) -> str:
+def table(cols: list[str], rows: list[list]) -> str:
+    """A markdown table of rows under cols, columns padded to their widest cell."""
     widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
     line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
@@ -73,25 +74,35 @@ def _x(v: float | None) -> str:
     return "—" if v is None else f"x{v:.2f}"
 
 
+STEP_COLS = ["median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step"]
+
+
+def step_cells(m: dict) -> list[str]:
+    """A mode's STEP_COLS cells (every workload's table has them)."""
+    return [f"{m['median_step_s'] * 1e3:.1f} ms", f"{m['samples_per_s']:.0f}",
+            f"{m['compute_share']:.0%}/{m['comm_share']:.0%}/{m['wait_share']:.0%}",
+            fmt_bytes(m["bytes_per_step"]),
+            fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a"]
+
+
+def failed_row(spec: str, m: dict, ncols: int) -> list[str]:
+    return [spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (ncols - 2)
+
+
 def format_table_mlp(report: dict) -> str:
     """The MLP workloads' table (digits, clf); with a target, the time-to-accuracy columns lead."""
     timed = bool(report.get("target"))
     cols = ["mode"] + (["time to target", "steps to target", "x vs best peer", "x vs ddp"] if timed else []) + [
-        "median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step", "test acc", "Δacc vs AR",
-        "speed-up vs AR"]
+        *STEP_COLS, "test acc", "Δacc vs AR", "speed-up vs AR"]
     rows = []
     for spec, m in report["modes"].items():
         if "error" in m:
-            rows.append([spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (len(cols) - 2))
+            rows.append(failed_row(spec, m, len(cols)))
             continue
         da, t = m.get("accuracy_delta_vs_allreduce"), m.get("time_to_target_s")
         lead = [f"{t:.2f} s" if t is not None else "not reached", m.get("steps_to_target") or "—",
                 _x(m.get("speedup_vs_best_peer")), _x(m.get("speedup_vs_ddp"))] if timed else []
-        rows.append([spec] + lead + [
-            f"{m['median_step_s'] * 1e3:.1f} ms", f"{m['samples_per_s']:.0f}",
-            f"{m['compute_share']:.0%}/{m['comm_share']:.0%}/{m['wait_share']:.0%}",
-            fmt_bytes(m["bytes_per_step"]),
-            fmt_bytes(m["veth_tx_bytes_per_step"]) if "veth_tx_bytes_per_step" in m else "n/a",
+        rows.append([spec] + lead + step_cells(m) + [
             f"{m['final_test_accuracy'] * 100:.2f} %",
             "—" if da is None else f"{da * 100:+.2f} pp" + (" !" if m.get("accuracy_flag") else ""),
             _x(m.get("speedup_vs_allreduce"))])
@@ -102,7 +113,7 @@ def format_table_mlp(report: dict) -> str:
                      f"({report.get('best_peer') or 'none reached it'}) time to target / mode's; x vs ddp = fp32 DDP's / mode's")
     if any(m.get("accuracy_flag") for m in report["modes"].values()):
         notes.append(f"! = final accuracy differs from fp32 DDP's by more than {ACCURACY_FLAG * 100:.1f} points")
-    return "\n".join([_table(cols, rows)] + notes)
+    return "\n".join([table(cols, rows)] + notes)
 
 
 def model_line(report: dict) -> str:
