@@ -64,17 +64,16 @@ class LocalUpdates:
         return self.inner % self.H == self.offsets[f] and self.inner >= (self.offsets[f] or self.H)
 
     # ---- rounds --------------------------------------------------------------------------------
-    def after_inner_step(self) -> float:
-        """Called after each inner step: finish the exchange in flight, start the ones due; returns the
-        seconds blocked on communication."""
+    def after_inner_step(self) -> None:
+        """Called after each inner step: finish the exchange in flight, start the ones due (without
+        streaming, finish them too). Blocked time goes to the optimizer's timing (note_blocked)."""
         self.inner += 1
-        blocked = self.finish_inflight()
-        due = [f for f in range(len(self.fragments)) if self.due(f)]
-        for f in due:
-            self.send(f)
+        self.finish_inflight()
+        for f in range(len(self.fragments)):
+            if self.due(f):
+                self.send(f)
         if not self.overlap:
-            blocked += self.finish_inflight()
-        return blocked
+            self.finish_inflight()
 
     def send(self, f: int) -> None:
         """Push fragment f's delta (anchor - local) for its next round and pull the new global values."""
@@ -97,11 +96,11 @@ class LocalUpdates:
         self.synced_at[f] = self.inner
         self.inflight[f] = (futures, sent)
 
-    def finish_inflight(self) -> float:
+    def finish_inflight(self) -> None:
         """Wait for the exchanges in flight and adopt the new global values (keeping progress made since
-        the send where the exchange overlapped inner steps); returns seconds blocked."""
+        the send where the exchange overlapped inner steps)."""
         if not self.inflight:
-            return 0.0
+            return
         d = self.dopt
         t0 = time.perf_counter()
         waited = max((fut.result() for fs, _ in self.inflight.values() for fut in fs), default=0.0)
@@ -119,7 +118,6 @@ class LocalUpdates:
                 d.load_buffers(d.staging)
         self.inflight.clear()
         d.note_blocked(blocked, waited)
-        return blocked
 
     def flush(self) -> None:
         """End of training: every fragment with local progress takes a last round (every worker calls
