@@ -77,8 +77,12 @@ class TrainConfig:
     stream_fragments: int = option(
         1,
         "local-update jobs: sync the model as this many fragments (groups of parameters) on staggered "
-        "schedules, each every --local-steps, its exchange overlapped with the next inner step (Streaming "
-        "DiLoCo; 1 = the whole model at once, no overlap)")
+        "schedules, each every --local-steps (Streaming DiLoCo; 1 = the whole model at once)")
+    overlap_steps: int = option(
+        -1,
+        "local-update jobs: each exchange runs in the background for this many inner steps before the worker "
+        "adopts the new global values (keeping its progress meanwhile); 0 = wait at once; -1 = 1 with "
+        "--stream-fragments > 1, else 0")
     min_compress_bytes: int = option(1024, "tensors smaller than this go uncompressed", parse=parse_bytes)
     compress_warmup_steps: int = option(0, "send uncompressed for the first N steps")
     fallback_factor: float = option(
@@ -183,6 +187,9 @@ class TrainConfig:
                              f"--ddp-hook localsgd:period=H)")
         if self.stream_fragments > 1 and not self.local_steps:
             raise ValueError("--stream-fragments needs --local-steps > 0")
+        if self.overlap_steps != -1 and not 0 <= self.overlap_steps < max(1, self.local_steps):
+            raise ValueError(f"--overlap-steps must be -1 (auto) or between 0 and --local-steps - 1, got "
+                             f"{self.overlap_steps} with --local-steps {self.local_steps}")
         from deltaps.optimizer_config import outer_optimizer_config
         outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum)
 

@@ -10,6 +10,10 @@ import json
 from dataclasses import dataclass
 
 DEFAULT_CHUNK_BYTES = 4 << 20      # a key holds at most this many bytes
+# A parameter larger than its fair share of a shard (total / shards) is cut into keys of that share, so one
+# big weight cannot put most of the traffic on one shard's link (ps-lite slices key ranges across servers
+# the same way); parameters under this size are never cut for balance (per-key overhead).
+BALANCE_MIN_BYTES = 256 << 10
 DEFAULT_BUCKET_BYTES = 25 << 20    # gradient fusion bucket, as DDP's bucket_cap_mb default
 MESSAGE_HEADROOM = 1 << 20         # fused messages stay this far below the gRPC message limit
 
@@ -48,6 +52,12 @@ def split_param(name: str, numel: int, dtype: str, chunk_bytes: int) -> list[tup
     return [(f"{name}#{i}", i * per, min(per, numel - i * per) if numel else 0) for i in range(n_chunks)]
 
 
+def balanced_chunk_bytes(params: list[tuple[str, int, str]], num_shards: int, chunk_bytes: int) -> int:
+    """The key size for params on num_shards: chunk_bytes, or less where a shard's fair share is smaller."""
+    share = -(-sum(numel * itemsize(dtype) for _, numel, dtype in params) // max(1, num_shards))
+    return min(chunk_bytes, max(BALANCE_MIN_BYTES, share))
+
+
 def role_for_buffers(mode: str) -> str | None:
     """The key role of model buffers under DistributedOptimizer(buffers=mode); None for "local"."""
     if mode not in BUFFER_MODES:
@@ -59,8 +69,9 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffers: list[tuple[str, int]] = (),
                  buffer_role: str = BUFFER_ROLES["broadcast"]) -> list[Key]:
     """params: (name, numel, dtype) in model order; buffers: (name, numel) in model order, keys of role
-    buffer_role after the parameters' (float32). Greedy size balancing: largest key first onto the
-    least-loaded shard (ties: lowest shard id). Returns keys in model order."""
+    buffer_role after the parameters' (float32). Parameters are cut into keys of balanced_chunk_bytes; greedy
+    size balancing: largest key first onto the least-loaded shard (ties: lowest shard id). Returns keys in
+    model order."""
     if num_shards < 1:
         raise ValueError("num_shards must be >= 1")
     if buffers and buffer_role not in BUFFER_ROLES.values():
@@ -70,9 +81,10 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
     names = [e[0] for e in entries]
     if len(set(names)) != len(names):
         raise ValueError("parameter and buffer names must be unique")
+    key_bytes = balanced_chunk_bytes(params, num_shards, chunk_bytes)
     chunks = [(k, name, off, n, dtype, role)
               for name, numel, dtype, role in entries
-              for k, off, n in split_param(name, numel, dtype, chunk_bytes)]
+              for k, off, n in split_param(name, numel, dtype, key_bytes if role == PARAM else chunk_bytes)]
     load = [0] * num_shards
     shard_of: dict[str, int] = {}
     order = sorted(range(len(chunks)), key=lambda i: (-chunks[i][3] * itemsize(chunks[i][4]), i))

@@ -8,9 +8,12 @@ optimizer to the mean (`outer_optimizer_config`: avg = SGD lr 1 = the mean of th
 worker adopts the new global model. Server steps count rounds, not inner steps.
 
 Streaming (fragments F > 1): the parameters are split into F contiguous groups of about equal size;
-fragment f syncs every H inner steps at offset (f+1)H/F, so one fragment is on the wire at a time. Its
-exchange overlaps the next inner step: at the step after the send the worker takes the new global values
-and keeps the progress made meanwhile (p = global + (p_now - p_at_send)).
+fragment f syncs every H inner steps at offset (f+1)H/F, so one fragment is on the wire at a time.
+
+Overlap (`overlap_steps` tau, Streaming DiLoCo's tau; default 1 with fragments, else 0): an exchange
+runs in the background for the next tau inner steps; then the worker takes the new global values and keeps
+the progress made meanwhile (p = global + (p_now - p_at_send)). tau = 0 waits for the exchange at once.
+A round's delta is then tau steps older than the model it lands on, the price of hiding the transfer.
 """
 from __future__ import annotations
 
@@ -41,21 +44,25 @@ def split_fragments(named: list[tuple[str, torch.Tensor]], fragments: int) -> li
 class LocalUpdates:
     """The outer loop of a local-update job, driven by DistributedOptimizer.step() after each inner step."""
 
-    def __init__(self, dopt, local_steps: int, fragments: int = 1):
+    def __init__(self, dopt, local_steps: int, fragments: int = 1, overlap_steps: int | None = None):
         if local_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {local_steps}")
         self.dopt, self.H = dopt, local_steps
         self.fragments = split_fragments(dopt.named, fragments) if fragments > 1 else [[n for n, _ in dopt.named]]
         F = len(self.fragments)
         self.offsets = [((f + 1) * local_steps // F) % local_steps for f in range(F)]
-        self.overlap = F > 1
+        self.tau = (1 if F > 1 else 0) if overlap_steps is None else overlap_steps
+        if not 0 <= self.tau < local_steps:   # a fragment's exchange ends before its next round starts
+            raise ValueError(f"--overlap-steps must be between 0 and --local-steps - 1 ({local_steps - 1}), "
+                             f"got {self.tau}")
         self.params = dict(dopt.named)
         # a worker (re)joining a running job at round r is at inner step r x H: its schedule is everyone's
         # (streaming: every fragment restarts at the slowest one's round; the shards ignore pushes they have)
         self.inner = dopt.round * local_steps   # inner steps of the job so far (this worker's clock)
         self.rounds = [dopt.round] * F          # server step of each fragment's next round
         self.synced_at = [self.inner] * F       # inner step count at each fragment's last sync
-        self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor]]] = {}   # fragment -> (futures, p at send)
+        # fragment -> (futures, p at send (tau > 0), inner step of the send)
+        self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor], int]] = {}
         self.outer_rounds = 0                   # fragment rounds completed (metrics)
         self.last_delta_norm = 0.0              # L2 norm of the last pushed delta (metrics)
 
@@ -65,14 +72,14 @@ class LocalUpdates:
 
     # ---- rounds --------------------------------------------------------------------------------
     def after_inner_step(self) -> None:
-        """Called after each inner step: finish the exchange in flight, start the ones due (without
-        streaming, finish them too). Blocked time goes to the optimizer's timing (note_blocked)."""
+        """Called after each inner step: finish the exchanges that have overlapped tau steps, start the ones
+        due (tau = 0: finish them too). Blocked time goes to the optimizer's timing (note_blocked)."""
         self.inner += 1
-        self.finish_inflight()
+        self.finish_inflight([f for f, (_, _, at) in self.inflight.items() if self.inner - at >= self.tau])
         for f in range(len(self.fragments)):
             if self.due(f):
                 self.send(f)
-        if not self.overlap:
+        if not self.tau:
             self.finish_inflight()
 
     def send(self, f: int) -> None:
@@ -84,7 +91,7 @@ class LocalUpdates:
             p = self.params[n].detach().reshape(-1).to(torch.float32)
             deltas[n] = staging[n] - p
             sq += float(deltas[n].square().sum())
-            if self.overlap:
+            if self.tau:
                 sent[n] = p.clone()
         self.last_delta_norm = sq ** 0.5
         step = self.rounds[f]
@@ -94,19 +101,20 @@ class LocalUpdates:
         self.rounds[f] += 1
         d.round = min(self.rounds)            # rounds every fragment has pushed
         self.synced_at[f] = self.inner
-        self.inflight[f] = (futures, sent)
+        self.inflight[f] = (futures, sent, self.inner)
 
-    def finish_inflight(self) -> None:
-        """Wait for the exchanges in flight and adopt the new global values (keeping progress made since
-        the send where the exchange overlapped inner steps)."""
-        if not self.inflight:
+    def finish_inflight(self, fragments: list[int] | None = None) -> None:
+        """Wait for the exchanges in flight (all, or those of `fragments`) and adopt the new global values
+        (keeping progress made since the send where the exchange overlapped inner steps)."""
+        done = {f: self.inflight.pop(f) for f in (list(self.inflight) if fragments is None else fragments)}
+        if not done:
             return
         d = self.dopt
         t0 = time.perf_counter()
-        waited = max((fut.result() for fs, _ in self.inflight.values() for fut in fs), default=0.0)
+        waited = max((fut.result() for fs, _, _ in done.values() for fut in fs), default=0.0)
         blocked = time.perf_counter() - t0
         with torch.no_grad():
-            for f, (_, sent) in self.inflight.items():
+            for f, (_, sent, _) in done.items():
                 for n in self.fragments[f]:
                     p, g = self.params[n], d.staging[n].view_as(self.params[n])
                     if sent:
@@ -114,20 +122,19 @@ class LocalUpdates:
                     else:
                         p.copy_(g)
                 self.outer_rounds += 1
-            if len(self.fragments) - 1 in self.inflight:     # the round that carried the buffers
+            if len(self.fragments) - 1 in done:     # the round that carried the buffers
                 d.load_buffers(d.staging)
-        self.inflight.clear()
         d.note_blocked(blocked, waited)
 
     def flush(self) -> None:
         """End of training: every fragment with local progress takes a last round (every worker calls
         this after the same number of inner steps, so the rounds match), and the exchanges complete."""
         self.finish_inflight()
-        overlap, self.overlap = self.overlap, False
+        tau, self.tau = self.tau, 0
         try:
             for f in range(len(self.fragments)):
                 if self.synced_at[f] != self.inner:
                     self.send(f)
             self.finish_inflight()
         finally:
-            self.overlap = overlap
+            self.tau = tau

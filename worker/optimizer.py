@@ -40,7 +40,7 @@ class DistributedOptimizer:
                  world_size: int = 1, sync: str = "bsp", backward_passes_per_step: int = 1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, buffers: str = "broadcast", named_buffers=None,
                  local_steps: int = 0, stream_fragments: int = 1, outer: OptimizerConfig | None = None,
-                 **client_kw):
+                 overlap_steps: int | None = None, **client_kw):
         self.optimizer = optimizer
         named = list(named_parameters if named_parameters is not None else model.named_parameters())
         self.named = [(n, p) for n, p in named if p.requires_grad]
@@ -78,7 +78,7 @@ class DistributedOptimizer:
         self.round = self.client.start_step    # a worker (re)joining a running job starts at its current step
         self.clock = self.round * max(1, local_steps)
         self.load(self.client.pull(out=self.staging, delta=True))
-        self.local = LocalUpdates(self, local_steps, stream_fragments) if local_steps else None
+        self.local = LocalUpdates(self, local_steps, stream_fragments, overlap_steps) if local_steps else None
         self._hooks = [] if self.local else [p.register_post_accumulate_grad_hook(self._make_hook(n))
                                              for n, p in self.named]
 

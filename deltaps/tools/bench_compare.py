@@ -12,8 +12,8 @@ Without root / iproute2, or with --no-shaping, everything runs on loopback and t
 Mode specs: `ddp` (alias `allreduce`) or `ddp:<hook>` (torch's DDP comm hooks: fp16, bf16, powersgd:rank=R,
 localsgd:period=H; worker/trainers/ddp_hooks.py), `ddp:sparse` (ctr: sparse embedding gradients); `ps` or
 `ps:<codec spec>` (split on the first colon: ps:topk:ratio=0.01 -> codec topk:ratio=0.01); `ps-asp:<codec spec>`
-for asynchronous PS; `ps-local<H>[x<F>]:<codec spec>` local updates (--local-steps H, --stream-fragments F, the
-outer optimizer from --outer-optimizer); `hybrid`.
+for asynchronous PS; `ps-local<H>[x<F>][o<tau>]:<codec spec>` local updates (--local-steps H, --stream-fragments
+F, --overlap-steps tau, the outer optimizer from --outer-optimizer); `hybrid`.
 """
 from __future__ import annotations
 
@@ -64,16 +64,16 @@ def parse_mode(spec: str) -> dict:
             raise ValueError(f"mode {spec!r}: {e}") from None
     if head in ("ps", "ps-bsp", "ps-asp"):
         return {"mode": "ps", "sync": "asp" if head == "ps-asp" else "bsp", "codec": codec or "none"}
-    local = LOCAL_STRATEGY.fullmatch(head)      # ps-local<H>[x<F>], named as deltaps advise names it
+    local = LOCAL_STRATEGY.fullmatch(head)      # ps-local<H>[x<F>][o<tau>], named as deltaps advise names it
     if local:
         return {"mode": "ps", "sync": "bsp", "codec": codec or "none", "local_steps": int(local[1]),
-                "stream_fragments": int(local[2] or 1)}
+                "stream_fragments": int(local[2] or 1), "overlap_steps": int(local[3] if local[3] else -1)}
     if head == "hybrid":   # embeddings row-sparse on the PS, the rest allreduced (--workload ctr)
         if codec:
             raise ValueError(f"mode {spec!r}: hybrid takes no codec")
         return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr"}
     raise ValueError(f"unknown mode spec {spec!r}; use ddp[:<hook>|:sparse] (or allreduce), ps:<codec>, ps-asp:<codec>, "
-                     f"ps-local<H>[x<F>]:<codec> or hybrid")
+                     f"ps-local<H>[x<F>][o<tau>]:<codec> or hybrid")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -367,37 +367,40 @@ def _ps_cpu(cal: Calibration, job: Job, push: CodecSpeed, pull: CodecSpeed, layo
     return rpcs, worker_cpu, shard_cpu
 
 
-def predict_local(cal: Calibration, job: Job, codec: str, local_steps: int, fragments: int = 1) -> dict:
-    """A local-update job (--local-steps H, --stream-fragments F): H inner steps (forward, backward, the
-    local optimizer) per PS round; the round moves the parameter delta as ps:<codec> moves a gradient.
-    Without streaming nothing hides the round (it starts after the last inner step); with F fragments each
-    fragment's exchange (1/F of the round) overlaps the next inner step."""
-    if local_steps < 1 or fragments < 1:
-        raise ValueError(f"local steps and fragments must be >= 1, got {local_steps} and {fragments}")
+def predict_local(cal: Calibration, job: Job, codec: str, local_steps: int, fragments: int = 1,
+                  overlap: int | None = None) -> dict:
+    """A local-update job (--local-steps H, --stream-fragments F, --overlap-steps tau): H inner steps
+    (forward, backward, the local optimizer) per PS round; the round moves the parameter delta as ps:<codec>
+    moves a gradient, as F fragment exchanges (1/F of the round each), each hidden behind the tau inner
+    steps it overlaps (tau defaults to 1 with fragments, else 0: nothing hides the round)."""
+    tau = (1 if fragments > 1 else 0) if overlap is None else overlap
+    if local_steps < 1 or fragments < 1 or not 0 <= tau < local_steps:
+        raise ValueError(f"want local steps and fragments >= 1 and 0 <= overlap < local steps, got {local_steps}, "
+                         f"{fragments} and {tau}")
     p = predict_ps(cal, job, codec)
     k = job.workers if job.host_cores else 1
     inner = cal.compute(k) + (cal.compute(k, cal.optimizer_s) if cal.optimizer_s else 0.0)
     round_comm = p["comm_s"] + p["overlap_s"]
-    if fragments > 1:
-        exposed = fragments * max(0.0, round_comm / fragments - inner) / local_steps
-    else:
-        exposed = round_comm / local_steps
+    exposed = fragments * max(0.0, round_comm / fragments - tau * inner) / local_steps
     step = inner + exposed
     H = local_steps
-    return {**p, "strategy": f"ps-local{H}{f'x{fragments}' if fragments > 1 else ''}:{canonical(codec)}",
+    name = f"ps-local{H}{f'x{fragments}' if fragments > 1 else ''}{f'o{tau}' if overlap is not None else ''}"
+    return {**p, "strategy": f"{name}:{canonical(codec)}",
             "step_s": step, "compute_s": inner, "comm_s": exposed, "network_s": p["network_s"] / H,
             "cpu_comm_s": p["cpu_comm_s"] / H, "overlap_s": round_comm / H - exposed,
             "bytes_sent_per_worker": p["bytes_sent_per_worker"] / H,
             "bytes_pulled_per_worker": p["bytes_pulled_per_worker"] / H, "bytes_hot_link": p["bytes_hot_link"] / H,
-            "rpcs_per_worker": p["rpcs_per_worker"] / H, "local_steps": H, "stream_fragments": fragments}
+            "rpcs_per_worker": p["rpcs_per_worker"] / H, "local_steps": H, "stream_fragments": fragments,
+            "overlap_steps": tau}
 
 
-LOCAL_STRATEGY = re.compile(r"ps-local(\d+)(?:x(\d+))?")
+LOCAL_STRATEGY = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?")
 
 
 def predict(cal: Calibration, job: Job, strategy: str) -> dict:
     """strategy: 'allreduce', 'ps:<codec spec>' (ps:none, ps:int8, ps:topk:ratio=0.01, ...) or a local-update
-    job 'ps-local<H>[x<F>]:<codec spec>' (ps-local8:int8: --local-steps 8; ps-local32x4:none: 4 fragments)."""
+    job 'ps-local<H>[x<F>][o<tau>]:<codec spec>' (ps-local8:int8: --local-steps 8; ps-local32x4:none: 4
+    fragments; ps-local32x4o4:int8: each fragment's exchange overlapping 4 inner steps)."""
     head, _, codec = strategy.partition(":")
     if head == "allreduce":
         return predict_allreduce(cal, job)
@@ -405,8 +408,9 @@ def predict(cal: Calibration, job: Job, strategy: str) -> dict:
         return predict_ps(cal, job, codec or "none")
     local = LOCAL_STRATEGY.fullmatch(head)
     if local:
-        return predict_local(cal, job, codec or "none", int(local[1]), int(local[2] or 1))
-    raise ValueError(f"unknown strategy {strategy!r}; use allreduce, ps:<codec> or ps-local<H>[x<F>]:<codec>")
+        return predict_local(cal, job, codec or "none", int(local[1]), int(local[2] or 1),
+                             int(local[3]) if local[3] else None)
+    raise ValueError(f"unknown strategy {strategy!r}; use allreduce, ps:<codec> or ps-local<H>[x<F>][o<tau>]:<codec>")
 
 
 def mlp_tensors(hidden: int, layers: int, in_features: int = 64, classes: int = 10) -> list:

@@ -115,6 +115,63 @@ def test_streaming_fragments_sync_staggered_and_end_equal(cluster_factory):
     assert sum(sh.stats()["outer_updates"] for sh in c.shards) > 0
 
 
+def reference_overlapped(steps: int, H: int, tau: int, lr: float) -> list[torch.Tensor]:
+    """Outer avg with the exchange overlapping tau inner steps, in plain torch: the round sent after inner
+    step t lands after step t + tau, each worker keeping its progress since the send (p += new - p_at_send);
+    after the last step a final round without overlap. Returns the final global model."""
+    locals_ = [make_model() for _ in range(WORLD)]
+    inner = [torch.optim.SGD(m.parameters(), lr=lr) for m in locals_]
+    params = [list(m.parameters()) for m in locals_]
+    pending = None                     # (inner step of the send, new global model, each worker's p at send)
+
+    def land():
+        for r in range(WORLD):
+            for p, new, sent in zip(params[r], pending[1], pending[2][r]):
+                p.add_(new - sent)
+
+    for step in range(1, steps + 1):
+        for r in range(WORLD):
+            inner[r].zero_grad()
+            loss_of(locals_[r], r, step - 1).backward()
+            inner[r].step()
+        with torch.no_grad():
+            if pending and step - pending[0] >= tau:
+                land()
+                pending = None
+            if step % H == 0:          # avg: the new global model is the mean of the local models
+                new = [sum(ps[i].detach() for ps in params) / WORLD for i in range(len(params[0]))]
+                pending = (step, new, [[p.detach().clone() for p in ps] for ps in params])
+                if not tau:
+                    land()
+                    pending = None
+    with torch.no_grad():
+        if pending:
+            land()
+        return [sum(ps[i].detach() for ps in params) / WORLD for i in range(len(params[0]))]
+
+
+@pytest.mark.parametrize("tau", [0, 2, 3])
+def test_an_exchange_overlapping_tau_inner_steps_keeps_the_progress_made_meanwhile(cluster_factory, tau):
+    steps, H = 14, 4                   # rounds at 4, 8, 12 landing tau steps later, then the flush round
+    got, _ = train_deltaps(cluster_factory, steps, 0.1, local_steps=H, overlap_steps=tau,
+                           outer=outer_optimizer_config("avg"))
+    ref = reference_overlapped(steps, H, tau, 0.1)
+    diff = max((p - t).abs().max().item() for p, t in zip(got[0].parameters(), ref))
+    assert diff < 1e-5, diff
+    assert max_diff(got[0], got[1]) == 0.0
+    if tau:   # the delayed merge is not the same training as waiting for each round
+        assert max((p - t).abs().max().item() for p, t in
+                   zip(got[0].parameters(), reference_overlapped(steps, H, 0, 0.1))) > 1e-4
+
+
+def test_overlap_steps_must_end_before_the_next_round(cluster_factory):
+    c = cluster_factory(1)
+    m = make_model()
+    with pytest.raises(ValueError, match="--overlap-steps"):
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, rank=0, world_size=1,
+                             local_steps=4, overlap_steps=4, timeout_s=10)
+
+
 def test_split_fragments_is_contiguous_and_covers_every_parameter():
     named = list(make_model().named_parameters())
     for f in range(1, len(named) + 1):

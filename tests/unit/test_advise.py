@@ -240,15 +240,15 @@ def test_ps_never_beats_the_measured_host_step_path():
     cal = _cal(bandwidth_Bps=1e12, cores=2, fwd_bwd_s={1: 0.0, 4: 0.0},
                ps_host_s={"int8": {2: 0.004, 4: 0.010}}, host_probe_bytes=G / 2, ps_host_shards=2)
     # measured with half the bytes: scaled by G / measured bytes; no overlap (bwd_fraction 0); plus the
-    # int8 pull's transfer on the hot link: the one 4 MiB key sits on one shard, which sends W x G/4
-    # after the step's last push
-    pull_hot = 4 * G / 4
+    # int8 pull's transfer on the hot link: the 4 MiB tensor is cut into one 2 MiB key per shard
+    # (balanced layout), and each shard sends W x G/8 after the step's last push
+    pull_hot = 4 * G / 8
     assert cm.predict_ps(cal, job, "int8")["step_s"] == pytest.approx(0.020 + pull_hot / 1e12)
     shaped = cm.predict_ps(_cal(**{**cal.__dict__, "bandwidth_Bps": 1e9}), job, "int8")
     assert shaped["step_s"] == pytest.approx(0.020 + pull_hot / 1e9)
-    # 3 workers: interpolated between the probed 2 and 4 (hot pull link 3 x G/4)
+    # 3 workers: interpolated between the probed 2 and 4 (hot pull link 3 x G/8)
     three = cm.predict_ps(cal, cm.Job(tensors=job.tensors, workers=3, shards=2, host_cores=2), "int8")
-    assert three["step_s"] == pytest.approx(0.014 + 3 * G / 4 / 1e12)
+    assert three["step_s"] == pytest.approx(0.014 + 3 * G / 8 / 1e12)
     # another shard count, another codec or one device per worker: the floor does not apply
     for other, codec in [(cm.Job(tensors=job.tensors, workers=4, shards=1, host_cores=2), "int8"),
                          (job, "none"), (cm.Job(tensors=job.tensors, workers=4, shards=2), "int8")]:

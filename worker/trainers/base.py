@@ -66,7 +66,8 @@ def distributed_optimizer(cfg: TrainConfig, model, servers: list[str], rank: int
                                 timeout_s=cfg.timeout_s, security=security,
                                 reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps,
                                 min_workers=cfg.min_workers, max_workers=cfg.max_workers, buffers=cfg.buffer_sync,
-                                local_steps=cfg.local_steps, stream_fragments=cfg.stream_fragments, outer=outer)
+                                local_steps=cfg.local_steps, stream_fragments=cfg.stream_fragments, outer=outer,
+                                overlap_steps=None if cfg.overlap_steps < 0 else cfg.overlap_steps)
 
 
 def load_params(named, values: dict[str, torch.Tensor]) -> None:

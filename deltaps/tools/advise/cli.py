@@ -28,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="PS key size at scale (default: the best predicted of 4 MiB, 1 MiB, 256 KiB and about "
                         "4 keys per shard)")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated strategies: allreduce, ps:<codec spec>, ps-local<H>[x<F>]:<codec spec> "
-                        "(local-update job: --local-steps H, F stream fragments)")
+                   help="comma-separated strategies: allreduce, ps:<codec spec>, ps-local<H>[x<F>][o<tau>]:<codec spec> "
+                        "(local-update job: --local-steps H, F stream fragments, each exchange overlapping tau inner steps)")
     p.add_argument("--steps", type=int, default=100000, help="training steps to cost")
     p.add_argument("--gpu-hour-usd", type=float, default=2.5, help="price of one GPU-hour")
     p.add_argument("--egress-usd-per-gb", type=float, default=0.0, help="price of network egress per GB sent")
