@@ -81,8 +81,8 @@ class TrainConfig:
     overlap_steps: int = option(
         -1,
         "local-update jobs: each exchange runs in the background for this many inner steps before the worker "
-        "adopts the new global values (keeping its progress meanwhile); 0 = wait at once; -1 = 1 with "
-        "--stream-fragments > 1, else 0")
+        "adopts the new global values (keeping its progress meanwhile); must be < --local-steps / "
+        "--stream-fragments; 0 = wait at once; -1 = 1 with --stream-fragments F > 1 and H >= 2F, else 0")
     min_compress_bytes: int = option(1024, "tensors smaller than this go uncompressed", parse=parse_bytes)
     compress_warmup_steps: int = option(0, "send uncompressed for the first N steps")
     fallback_factor: float = option(
@@ -187,10 +187,11 @@ class TrainConfig:
                              f"--ddp-hook localsgd:period=H)")
         if self.stream_fragments > 1 and not self.local_steps:
             raise ValueError("--stream-fragments needs --local-steps > 0")
-        if self.overlap_steps != -1 and not 0 <= self.overlap_steps < max(1, self.local_steps):
-            raise ValueError(f"--overlap-steps must be -1 (auto) or between 0 and --local-steps - 1, got "
-                             f"{self.overlap_steps} with --local-steps {self.local_steps}")
-        from deltaps.optimizer_config import outer_optimizer_config
+        from deltaps.optimizer_config import outer_optimizer_config, overlap_steps
+        if self.overlap_steps != -1:
+            if not self.local_steps:
+                raise ValueError("--overlap-steps needs --local-steps > 0")
+            overlap_steps(self.local_steps, self.stream_fragments, self.overlap_steps)
         outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum)
 
     def _validate_eval(self) -> None:

@@ -68,3 +68,15 @@ def outer_optimizer_config(name: str, lr: float = 1.0, momentum: float = 0.0) ->
             raise ValueError(f"outer optimizer nesterov needs --outer-momentum > 0, got {momentum}")
         return OptimizerConfig("sgd", lr=lr, momentum=momentum, nesterov=True)
     raise ValueError(f"unknown outer optimizer {name!r}; supported: {', '.join(OUTER_OPTIMIZERS)}")
+
+
+def overlap_steps(local_steps: int, fragments: int, tau: int | None) -> int:
+    """The inner steps a local-update exchange overlaps (--overlap-steps; None = the default: 1 with stream
+    fragments where H >= 2F, else 0). Each must land before the next fragment's round starts (tau < H / F),
+    so the workers are synced between exchanges, where evaluations of the global model happen."""
+    limit = max(1, local_steps // max(1, fragments))
+    resolved = (1 if fragments > 1 and limit > 1 else 0) if tau is None else tau
+    if not 0 <= resolved < limit:
+        raise ValueError(f"--overlap-steps must be between 0 and --local-steps / --stream-fragments - 1 "
+                         f"({local_steps} / {fragments} - 1 = {limit - 1}), got {resolved}")
+    return resolved

@@ -9,7 +9,9 @@ and the loss climbs from 0.02 to 0.37 between steps 50 and 80 (docs/compare.md).
 pushes were all top-k therefore updates m, v, the bias-correction count and the value only on the
 coordinates some worker sent (the union), each coordinate with its own step count, so a burst is one
 Adam step of at most ~lr, and silent coordinates stay where they are. Any dense push in a step (raw
-small tensors, warm-up steps, other codecs, a rollback) takes torch's fused path on the same state.
+small tensors, warm-up steps, other codecs, a rollback) takes torch's fused path on the same state —
+until the first lazy step; after it a dense step is the lazy step on every coordinate, so each coordinate
+keeps its own step count (torch's one count would mis-correct the bias of the rarely sent ones).
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ class KeyOptimizer:
 
     @torch.no_grad()
     def apply(self, grad: torch.Tensor) -> None:
+        if self.coord_steps is not None:     # after a lazy phase (Adam only): per-coordinate step counts
+            self.apply_sparse(torch.arange(self.value.numel()), grad)
+            return
         self.value.grad = grad
         self.opt.step()
         self.value.grad = None
@@ -88,13 +93,16 @@ class KeyOptimizer:
         st["step"] += 1
 
     def state_dict(self) -> dict:
-        s = self.opt.state_dict()
+        """torch's state + the per-coordinate step counts + the kind of the step being aggregated (a
+        checkpoint can hold a half-aggregated bsp step: ps/state.py)."""
+        s = {**self.opt.state_dict(), "step_sparse": self._step_sparse}
         if self.coord_steps is not None:
-            s = {**s, "coord_steps": self.coord_steps.clone()}
+            s["coord_steps"] = self.coord_steps.clone()
         return s
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         cs = state.pop("coord_steps", None)
+        self._step_sparse = state.pop("step_sparse", None)
         self.coord_steps = None if cs is None else cs.clone().to(self.value.dtype)
         self.opt.load_state_dict(state)

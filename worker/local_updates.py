@@ -10,7 +10,7 @@ worker adopts the new global model. Server steps count rounds, not inner steps.
 Streaming (fragments F > 1): the parameters are split into F contiguous groups of about equal size;
 fragment f syncs every H inner steps at offset (f+1)H/F, so one fragment is on the wire at a time.
 
-Overlap (`overlap_steps` tau, Streaming DiLoCo's tau; default 1 with fragments, else 0): an exchange
+Overlap (`overlap_steps` tau < H/F, Streaming DiLoCo's tau; default 1 with fragments, else 0): an exchange
 runs in the background for the next tau inner steps; then the worker takes the new global values and keeps
 the progress made meanwhile (p = global + (p_now - p_at_send)). tau = 0 waits for the exchange at once.
 A round's delta is then tau steps older than the model it lands on, the price of hiding the transfer.
@@ -21,6 +21,8 @@ import time
 from concurrent.futures import Future
 
 import torch
+
+from deltaps.optimizer_config import overlap_steps as check_overlap_steps
 
 
 def split_fragments(named: list[tuple[str, torch.Tensor]], fragments: int) -> list[list[str]]:
@@ -51,10 +53,7 @@ class LocalUpdates:
         self.fragments = split_fragments(dopt.named, fragments) if fragments > 1 else [[n for n, _ in dopt.named]]
         F = len(self.fragments)
         self.offsets = [((f + 1) * local_steps // F) % local_steps for f in range(F)]
-        self.tau = (1 if F > 1 else 0) if overlap_steps is None else overlap_steps
-        if not 0 <= self.tau < local_steps:   # a fragment's exchange ends before its next round starts
-            raise ValueError(f"--overlap-steps must be between 0 and --local-steps - 1 ({local_steps - 1}), "
-                             f"got {self.tau}")
+        self.tau = check_overlap_steps(local_steps, F, overlap_steps)
         self.params = dict(dopt.named)
         # a worker (re)joining a running job at round r is at inner step r x H: its schedule is everyone's
         # (streaming: every fragment restarts at the slowest one's round; the shards ignore pushes they have)

@@ -55,6 +55,7 @@ from deltaps.layout import (
     message_batches,
     shard_loads,
 )
+from deltaps.optimizer_config import overlap_steps
 from deltaps.pull_codec import resolve_pull_codec
 
 
@@ -372,11 +373,10 @@ def predict_local(cal: Calibration, job: Job, codec: str, local_steps: int, frag
     """A local-update job (--local-steps H, --stream-fragments F, --overlap-steps tau): H inner steps
     (forward, backward, the local optimizer) per PS round; the round moves the parameter delta as ps:<codec>
     moves a gradient, as F fragment exchanges (1/F of the round each), each hidden behind the tau inner
-    steps it overlaps (tau defaults to 1 with fragments, else 0: nothing hides the round)."""
-    tau = (1 if fragments > 1 else 0) if overlap is None else overlap
-    if local_steps < 1 or fragments < 1 or not 0 <= tau < local_steps:
-        raise ValueError(f"want local steps and fragments >= 1 and 0 <= overlap < local steps, got {local_steps}, "
-                         f"{fragments} and {tau}")
+    steps it overlaps (tau defaults to 1 with fragments and H >= 2F, else 0: nothing hides the round)."""
+    if local_steps < 1 or fragments < 1:
+        raise ValueError(f"local steps and fragments must be >= 1, got {local_steps} and {fragments}")
+    tau = overlap_steps(local_steps, fragments, overlap)
     p = predict_ps(cal, job, codec)
     k = job.workers if job.host_cores else 1
     inner = cal.compute(k) + (cal.compute(k, cal.optimizer_s) if cal.optimizer_s else 0.0)

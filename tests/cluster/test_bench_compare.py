@@ -93,11 +93,11 @@ def test_bench_compare_time_to_accuracy(tmp_path):
     """Both modes race to a (low) test accuracy on the clf workload and stop there; the report leads with it."""
     out = tmp_path / "t.json"
     rc = bc.main(["--workers", "2", "--servers", "1", "--steps", "80", "--workload", "clf", "--hidden", "64",
-                  "--eval-every", "5", "--target-accuracy", "0.3", "--modes", "ddp,ps:int8,ps-local4x2:int8,", "--no-shaping",
+                  "--eval-every", "5", "--target-accuracy", "0.3", "--modes", "ddp,ps:int8,ps-local6x2o2:int8,", "--no-shaping",
                   "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    assert r["target"] == 0.3 and r["best_peer"] == "ddp" and list(r["modes"]) == ["ddp", "ps:int8", "ps-local4x2:int8"]
+    assert r["target"] == 0.3 and r["best_peer"] == "ddp" and list(r["modes"]) == ["ddp", "ps:int8", "ps-local6x2o2:int8"]
     for m in r["modes"].values():
         assert m["time_to_target_s"] > 0 and 5 <= m["steps_to_target"] < 80
         assert m["steps"] == m["steps_to_target"]                  # stopped at the evaluation that reached it
@@ -107,5 +107,5 @@ def test_bench_compare_time_to_accuracy(tmp_path):
             assert k in m, k
     assert r["modes"]["ddp"]["speedup_vs_best_peer"] == pytest.approx(1.0)
     # a local-update job stopped at the target: its result is the global model that reached it (no flush round)
-    local = r["modes"]["ps-local4x2:int8"]
+    local = r["modes"]["ps-local6x2o2:int8"]
     assert local["final_test_accuracy"] == pytest.approx(local["evals"][-1]["test_accuracy"])

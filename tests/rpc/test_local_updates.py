@@ -170,6 +170,9 @@ def test_overlap_steps_must_end_before_the_next_round(cluster_factory):
     with pytest.raises(ValueError, match="--overlap-steps"):
         DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, rank=0, world_size=1,
                              local_steps=4, overlap_steps=4, timeout_s=10)
+    with pytest.raises(ValueError, match="--overlap-steps"):   # it lands before the next fragment's round
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, rank=0, world_size=1,
+                             local_steps=4, stream_fragments=2, overlap_steps=2, timeout_s=10)
 
 
 def test_split_fragments_is_contiguous_and_covers_every_parameter():

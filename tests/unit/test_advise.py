@@ -306,8 +306,15 @@ def test_local_updates_communicate_once_per_round():
     st = cm.predict(cal, job, "ps-local8x2:int8")
     assert st["step_s"] == pytest.approx(0.01 + 2 * max(0.0, round_comm / 2 - 0.01) / 8)
     assert st["strategy"] == "ps-local8x2:int8" and st["stream_fragments"] == 2
+    # tau inner steps of overlap: each fragment's exchange hides behind tau x 10 ms
+    for name, F, tau in [("ps-local8x2o3:int8", 2, 3), ("ps-local8o4:int8", 1, 4), ("ps-local8o0:int8", 1, 0)]:
+        p = cm.predict(cal, job, name)
+        assert p["step_s"] == pytest.approx(0.01 + F * max(0.0, round_comm / F - tau * 0.01) / 8)
+        assert p["strategy"] == name and p["overlap_steps"] == tau
     with pytest.raises(ValueError, match="ps-local"):
         cm.predict(cal, job, "ps-localx:int8")
+    with pytest.raises(ValueError, match="overlap"):
+        cm.predict(cal, job, "ps-local8x2o4:int8")        # it must land before the next fragment's round
 
 
 def test_slow_link_long_job_can_recommend_local_updates():

@@ -106,6 +106,34 @@ def test_state_dict_round_trip_keeps_coordinate_steps():
     assert torch.equal(v, w) and torch.equal(o.coord_steps, o2.coord_steps)
 
 
+def test_dense_steps_after_a_lazy_phase_count_for_every_coordinate():
+    """A dense step (warm-up, rollback, a raw push) after lazy steps advances every coordinate's own count
+    and bias-corrects with it: the same as a lazy step on every coordinate."""
+    n = 100
+    a, b = torch.zeros(n), torch.zeros(n)
+    o, ref = KeyOptimizer(a, CFG), KeyOptimizer(b, CFG)
+    for opt in (o, ref):
+        opt.apply_sparse(torch.tensor([3, 7]), torch.tensor([1.0, -1.0]))
+    o.apply(torch.ones(n))
+    ref.apply_sparse(torch.arange(n), torch.ones(n))
+    assert torch.equal(a, b) and torch.equal(o.coord_steps, ref.coord_steps)
+    assert o.coord_steps[3] == 2 and o.coord_steps[0] == 1
+    # a coordinate at its first step moves by ~lr (bias-corrected with its own count 1, not torch's 2)
+    assert abs(float(a[0]) + CFG.lr) < 1e-6
+
+
+def test_a_half_aggregated_step_keeps_its_kind_across_a_checkpoint():
+    n = 4096
+    d = unpack_payload(Compressor("topk:ratio=0.01", min_bytes=0).compress("w", grads(1, n)[0], step=0))
+    o = KeyOptimizer(torch.zeros(n), CFG)
+    o.note_push(Decoded(n, dense=torch.ones(n), codec="none"))      # a dense push, then the checkpoint
+    o2 = KeyOptimizer(torch.zeros(n), CFG)
+    o2.load_state_dict(copy.deepcopy(o.state_dict()))
+    o2.note_push(d)                                                  # a top-k push after the restore
+    o2.apply_step(torch.ones(n))
+    assert o2.coord_steps is None and int((o2.value != 0).sum()) == n   # the dense path, as without the crash
+
+
 def test_shard_bsp_step_of_topk_pushes_moves_only_the_union():
     from deltaps.layout import build_layout
     from ps.shard import Shard

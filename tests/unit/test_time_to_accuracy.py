@@ -64,6 +64,7 @@ def test_eval_and_target_flags_are_validated():
 def test_local_update_flags_are_validated():
     load_config(None, {"local_steps": 32, "stream_fragments": 4, "overlap_steps": 4})
     for bad, match in [({"local_steps": 8, "overlap_steps": 8}, "--overlap-steps"),
+                       ({"local_steps": 8, "stream_fragments": 2, "overlap_steps": 4}, "--overlap-steps"),
                        ({"overlap_steps": 1}, "--overlap-steps"),
                        ({"stream_fragments": 2}, "--stream-fragments needs"),
                        ({"mode": "allreduce", "local_steps": 8}, "--mode ps only")]:
