@@ -65,7 +65,7 @@ bench: setup
 		--modes allreduce,ps:none,ps:int8,ps:topk:ratio=0.01 --json bench-compare.json --plot bench-compare.png
 
 # time to accuracy against the DDP peers (docs/compare.md#time-to-accuracy): every mode races to 90 % test
-# accuracy on the clf workload (MLP 64-768x2-10), at 1 Gbit/s and at 100 Mbit/s; ~30 minutes, root for the
+# accuracy on the clf workload (MLP 64-768x2-10), at 1 Gbit/s and at 100 Mbit/s; ~14 minutes here, root for the
 # shaped links. BENCH_PEERS_EXTRA: more mode specs, comma-separated (the best deltaps local-update modes).
 BENCH_PEERS_EXTRA ?= ps-local8:int8,ps-local32:int8,ps-local32x4:int8,ps-local32x4o4:int8
 BENCH_PEERS_MODES = ddp,ddp:fp16,ddp:bf16,ddp:powersgd:rank=4,ddp:localsgd:period=8,ddp:localsgd:period=32,ps:int8,ps:topk:ratio=0.01,$(BENCH_PEERS_EXTRA)
