@@ -113,7 +113,7 @@ class EmbeddingClient:
                 req = pb.SparsePullRequest(worker_id=self.worker_id, min_version=min_version, timeout_s=self.timeout_s,
                                            rows=[pb.EmbeddingRows(table=n, ids=ids_to_bytes(i)) for n, _, i in batch])
                 t0 = time.perf_counter()
-                rep = self.sessions[shard].call("SparsePull", lambda req=req: req, self.timeout_s + 30)
+                rep = self.sessions[shard].pull(req, self.timeout_s + 30)
                 self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,
                                bytes_pulled_wire=sum(len(r.values) for r in rep.rows),
                                bytes_pull_req=sum(len(r.ids) for r in req.rows))

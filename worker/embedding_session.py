@@ -11,6 +11,10 @@ dense path's semantics (worker/session.py, docs/failure-semantics.md) for Sparse
 * Watch: a bsp step on the restored shard needs every worker's replay, and in hybrid mode a worker may sit in
   the dense allreduce, making no call to the shard, while its peer waits on that shard for the step. So a
   lost connection starts the recovery in the background (channel connectivity), not only on the next call.
+* Pull, restart, push: rows a worker pulled from the shard's previous incarnation may be unknown to the
+  restored one (allocated after its checkpoint). A push sent to another incarnation than the one that served
+  this worker's last pull is flagged `replay` too, so the shard allocates them (the values the worker saw
+  are the restored shard's after the replays: initial values are a pure function of the row).
 * Eviction: a push refused with reason NOT_LIVE_MEMBER re-registers (the worker rejoins at the shard's
   current version) and is retried; a step already applied without it is acknowledged as a duplicate.
 """
@@ -39,6 +43,7 @@ class EmbeddingSession(ShardSession):
         super().__init__(stub, addr, shard, policy, closed, on_restart=lambda shard: None)
         self.channel = channel
         self.next_step = 0            # 1 + the highest step pushed to this shard
+        self.pulled_from = ""         # server_id of the incarnation that served this worker's last pull
         self._connected = False
         channel.subscribe(self._on_connectivity)
 
@@ -85,6 +90,12 @@ class EmbeddingSession(ShardSession):
             self.buffering = self.buffering and rep.durable_step >= 0
             self.epoch += 1
 
+    def pull(self, req, timeout: float):
+        rep = self.call("SparsePull", lambda: req, timeout)
+        with self.lock:
+            self.pulled_from = req.server_id     # call() stamped the attempt that succeeded
+        return rep
+
     def push(self, req, timeout: float):
         """Send one SparsePushRequest exactly once from the job's point of view (kept for replay)."""
         with self.lock:
@@ -92,7 +103,11 @@ class EmbeddingSession(ShardSession):
                 self.buffer.append((req.step, 0, req))
                 self._bound()
             self.next_step = max(self.next_step, req.step + 1)
-        rep = self.call("SparsePush", lambda: req, timeout)
+
+        def build():   # (under the session lock) rows pulled from an earlier incarnation may be unknown here
+            req.replay = req.replay or (self.pulled_from != "" and self.pulled_from != self.server_id)
+            return req
+        rep = self.call("SparsePush", build, timeout)
         with self.lock:
             self._trim(rep.durable_step)
         return rep
