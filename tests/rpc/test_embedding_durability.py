@@ -185,14 +185,27 @@ def _train(addrs, steps, hooks=None):
     return final["t"], cls
 
 
+def _reference(tmp):
+    """The same 8-step job without a crash: the rows every crash test must end with."""
+    shards = _Shards(tmp / "ref")
+    ref, _ = _train(shards.addrs, 8)
+    shards.stop()
+    return ref
+
+
+def _wait_version(store, version, timeout=20.0):
+    t0 = time.monotonic()
+    while store.version < version and time.monotonic() - t0 < timeout:
+        time.sleep(0.01)
+    return store.version
+
+
 def test_shard_restart_mid_step_keeps_the_half_aggregated_step_and_replays_the_rest(tmp_path):
     """Checkpoint both shards while bsp step 3 is half aggregated (worker 0 pushed, worker 1 not); steps 3
     and 4 then complete; shard 0 crashes and comes back from that checkpoint: it holds worker 0's half of
     step 3, the workers' sessions replay what it lost, and every row ends bit-identical to a run without
     the crash."""
-    ref_shards = _Shards(tmp_path / "ref")
-    ref, _ = _train(ref_shards.addrs, 8)
-    ref_shards.stop()
+    ref = _reference(tmp_path)
     sh = _Shards(tmp_path / "crash")
     seen = {}
 
@@ -206,10 +219,7 @@ def test_shard_restart_mid_step_keeps_the_half_aggregated_step_and_replays_the_r
         seen["restored"] = (restored.version, set(restored._agg), dict(restored.pushed))
         # no worker calls the shard now (as a hybrid rank inside the dense allreduce would not): the
         # sessions notice the lost connection themselves, re-register and replay steps 3 and 4
-        t0 = time.monotonic()
-        while restored.version < 5 and time.monotonic() - t0 < 20:
-            time.sleep(0.01)
-        seen["replayed_in_background"] = restored.version
+        seen["replayed_in_background"] = _wait_version(restored, 5)
     got, cls = _train(sh.addrs, 8, {(3, "mid"): mid3, 5: at5})
     assert seen["restored"] == (3, {0}, {0: 4, 1: 3})              # worker 0's half of step 3 survived
     assert seen["replayed_in_background"] == 5
@@ -230,9 +240,7 @@ def test_rows_pulled_before_a_restart_can_be_pushed_after_it(tmp_path):
     checkpoint, the sessions replay steps 2-4 in the background; worker 0 then pushes step 5 to the restored
     shard, which never held those rows: it allocates them (the push is flagged replay, as the pull was served
     by the previous incarnation) and the run ends bit-identical to one without the crash."""
-    ref_shards = _Shards(tmp_path / "ref")
-    ref, _ = _train(ref_shards.addrs, 8)
-    ref_shards.stop()
+    ref = _reference(tmp_path)
     sh = _Shards(tmp_path / "crash")
     seen = {}
 
@@ -244,10 +252,7 @@ def test_rows_pulled_before_a_restart_can_be_pushed_after_it(tmp_path):
         time.sleep(0.2)
         restored = sh.restart(0).embedding
         seen["held"] = {int(i) for i in _batch(5, 0)[0].unique() if restored.table("t").slots(i.view(1))[0] >= 0}
-        t0 = time.monotonic()
-        while restored.version < 5 and time.monotonic() - t0 < 20:   # replayed by the sessions' watch
-            time.sleep(0.01)
-        seen["replayed"] = restored.version
+        seen["replayed"] = _wait_version(restored, 5)              # replayed by the sessions' watch
         seen["allocated_before_push"] = restored.counters["rows_allocated_by_replay"]
     got, cls = _train(sh.addrs, 8, {2: at2, (5, "pulled"): between})
     assert seen["replayed"] == 5
