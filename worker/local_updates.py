@@ -59,9 +59,8 @@ class LocalUpdates:
         # (streaming: every fragment restarts at the slowest one's round; the shards ignore pushes they have)
         self.inner = dopt.round * local_steps   # inner steps of the job so far (this worker's clock)
         self.rounds = [dopt.round] * F          # server step of each fragment's next round
-        self.synced_at = [self.inner] * F       # inner step count at each fragment's last sync
-        # fragment -> (futures, p at send (tau > 0), inner step of the send)
-        self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor], int]] = {}
+        self.synced_at = [self.inner] * F       # inner step count at each fragment's last send
+        self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor]]] = {}   # fragment -> (futures, p at send)
         self.outer_rounds = 0                   # fragment rounds completed (metrics)
         self.last_delta_norm = 0.0              # L2 norm of the last pushed delta (metrics)
 
@@ -74,7 +73,7 @@ class LocalUpdates:
         """Called after each inner step: finish the exchanges that have overlapped tau steps, start the ones
         due (tau = 0: finish them too). Blocked time goes to the optimizer's timing (note_blocked)."""
         self.inner += 1
-        self.finish_inflight([f for f, (_, _, at) in self.inflight.items() if self.inner - at >= self.tau])
+        self.finish_inflight([f for f in self.inflight if self.inner - self.synced_at[f] >= self.tau])
         for f in range(len(self.fragments)):
             if self.due(f):
                 self.send(f)
@@ -100,7 +99,7 @@ class LocalUpdates:
         self.rounds[f] += 1
         d.round = min(self.rounds)            # rounds every fragment has pushed
         self.synced_at[f] = self.inner
-        self.inflight[f] = (futures, sent, self.inner)
+        self.inflight[f] = (futures, sent)
 
     def finish_inflight(self, fragments: list[int] | None = None) -> None:
         """Wait for the exchanges in flight (all, or those of `fragments`) and adopt the new global values
@@ -110,10 +109,10 @@ class LocalUpdates:
             return
         d = self.dopt
         t0 = time.perf_counter()
-        waited = max((fut.result() for fs, _, _ in done.values() for fut in fs), default=0.0)
+        waited = max((fut.result() for fs, _ in done.values() for fut in fs), default=0.0)
         blocked = time.perf_counter() - t0
         with torch.no_grad():
-            for f, (_, sent, _) in done.items():
+            for f, (_, sent) in done.items():
                 for n in self.fragments[f]:
                     p, g = self.params[n], d.staging[n].view_as(self.params[n])
                     if sent:
