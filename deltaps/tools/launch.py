@@ -25,9 +25,32 @@ def wait_port_file(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> 
     raise TimeoutError("server did not start listening in time")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port for a child to listen on (a torch rendezvous, a Prometheus), picked below the kernel's ephemeral
+    range: a port bind(0) gives lies inside it, and between the pick and the child's bind any outgoing
+    connection (gloo, gRPC) may take it as its source port — CI saw the rendezvous fail with EADDRINUSE so."""
+    import random
     import socket
-    with socket.socket() as s:
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.randrange(max(1024, low - 20000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:    # every probe taken (a tiny ephemeral floor): the old way
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,14 @@ import urllib.request
 import pytest
 from metrics_cluster import MetricsCluster, small_config
 
+from deltaps.tools.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMETHEUS = shutil.which("prometheus") or ("/usr/bin/prometheus" if os.path.exists("/usr/bin/prometheus") else None)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               pytest.mark.skipif(PROMETHEUS is None, reason="prometheus binary not installed; `make prometheus` "
                                                             "(apt-get install prometheus) could not provide it")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_file(path, proc, timeout=30.0) -> int:
@@ -99,7 +94,7 @@ def test_real_prometheus_scrapes_cluster(tmp_path, servers):
     addrs, server_mports = servers
     cfg = small_config(steps=150, sync="ssp:2")
     cluster = MetricsCluster(cfg, server_addrs=addrs, server_metrics_ports=server_mports)
-    port = _free_port()
+    port = free_port()
     conf = tmp_path / "prometheus.yml"
     conf.write_text(f"""
 global:

@@ -6,13 +6,13 @@ so sparse and dense gradients give the same parameters (up to float summation or
 Two gloo ranks (spawned processes) run train_ctr_allreduce four times: {sgd, adagrad} x {dense, sparse}."""
 import multiprocessing
 import os
-import socket
 
 import pytest
 import torch
 
 from deltaps.config import load_config
 from deltaps.tools.bench_compare import format_table_ctr, parse_mode
+from deltaps.tools.launch import free_port
 from worker.workloads.ctr import CTRModel, table_spec
 
 WORLD, STEPS = 2, 4
@@ -20,11 +20,6 @@ SMALL = dict(mode="allreduce", workload="ctr", workers=WORLD, steps=STEPS, batch
              embedding_dim=8, embedding_fields=4, hidden=16, optimizer="sgd", lr=0.1, progress=False, timeout_s=30.0)
 RUNS = [(opt, sparse) for opt in ("sgd", "adagrad") for sparse in (False, True)]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, ports: list[int], tmp: str) -> None:
@@ -40,7 +35,7 @@ def _rank(rank: int, ports: list[int], tmp: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp_sparse")
-    ports = [_free_port() for _ in RUNS]
+    ports = [free_port() for _ in RUNS]
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, ports, str(tmp))) for r in range(WORLD)]
     for p in procs:
