@@ -32,6 +32,19 @@ from worker.embedding_session import EmbeddingSession
 from worker.session import SessionPolicy
 
 
+class PendingPull:
+    """An EmbeddingClient pull in flight: result() -> (values per table, the servers' longest BSP wait)."""
+
+    def __init__(self, out: dict[str, torch.Tensor], futures: list):
+        self.out, self.futures = out, futures
+
+    def result(self) -> tuple[dict[str, torch.Tensor], float]:
+        return self.out, max((f.result() for f in self.futures), default=0.0)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+
 class EmbeddingClient:
     """Sparse pull/push of embedding rows across all shards, in parallel (one channel per shard)."""
 
@@ -87,6 +100,10 @@ class EmbeddingClient:
     def pull_rows(self, ids_by_table: dict[str, torch.Tensor], min_version: int = 0) -> tuple[dict, float]:
         """Values [len(ids), dim] per table for the given (unique) ids, from shards at >= min_version.
         Returns (values, seconds the servers held the pull waiting for other workers)."""
+        return self.pull_rows_async(ids_by_table, min_version).result()
+
+    def pull_rows_async(self, ids_by_table: dict[str, torch.Tensor], min_version: int = 0) -> PendingPull:
+        """pull_rows started on the client's threads (one per shard); .result() gives what pull_rows returns."""
         per_shard = {s: [] for s in range(self.n)}       # shard -> [(table, positions, ids)]
         out = {}
         for name, ids in ids_by_table.items():
@@ -122,8 +139,7 @@ class EmbeddingClient:
                 for (name, pos, sid), r in zip(batch, rep.rows):
                     out[name][pos] = rows_from_bytes(r.values, sid.numel(), self.tables[name].dim)
             return waited
-        waited = max(self.pool.map(one, range(self.n)), default=0.0)
-        return out, waited
+        return PendingPull(out, [self.pool.submit(one, s) for s in range(self.n)])
 
     # ---- push ----------------------------------------------------------------------------
     def push_rows_async(self, step: int, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]):
@@ -187,11 +203,23 @@ class PSEmbedding(nn.Module):
         self._prefetched = None
 
     def prefetch(self, ids: torch.Tensor, min_version: int) -> None:
-        """Pull the rows of a batch ahead of forward (the trainer pulls all tables in one go)."""
+        """Pull the rows of a batch ahead of forward."""
         uniq, inv = torch.unique(ids, return_inverse=True)
         vals, waited = self.client.pull_rows({self.table: uniq}, min_version)
-        self._prefetched = (ids, uniq, inv, vals[self.table])
+        self.hand_over(ids, uniq, inv, vals[self.table], waited)
+
+    def hand_over(self, ids: torch.Tensor, uniq: torch.Tensor, inv: torch.Tensor, rows: torch.Tensor,
+                  waited: float) -> None:
+        """Rows of `ids` pulled elsewhere (prefetch, worker/embedding_pipeline.py): forward(ids) uses them."""
+        self._prefetched = (ids, uniq, inv, rows)
         self.waited_s += waited
+
+    def rows_need_grad(self) -> bool:
+        return self._rows is not None and self._rows.requires_grad
+
+    def on_rows_grad(self, fn) -> None:
+        """fn() once backward has accumulated this forward's row gradient."""
+        self._rows.register_post_accumulate_grad_hook(lambda _t: fn())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._prefetched is not None and self._prefetched[0] is ids:

@@ -49,8 +49,9 @@ from worker.workloads.ctr import CTRData, CTRModel, evaluate, table_spec
 
 log = logging.getLogger("deltaps.hybrid")
 
-HYBRID_TIMING_METHOD = ("hybrid: blocked = sparse pull + exposed dense allreduce + push wait; "
-                        "wait = server-side BSP wait of the pulls; comm = blocked - wait")
+HYBRID_TIMING_METHOD = ("hybrid: blocked = wait for the step's rows (bsp: requested during the previous step's "
+                        "backward) + exposed dense allreduce (+ push wait, asp); wait = the part of the rows' wait "
+                        "the shards spent at their BSP gate; comm = blocked - wait")
 
 
 def table_optimizer(cfg: TrainConfig, params, sparse: bool = False):
@@ -94,9 +95,13 @@ def _result(cfg, run: RunRecorder, ev, params, sent, pulled, extra) -> RunResult
                       final_codec=cfg.codec, extras=ctr_extras(ev, **extra))
 
 
-def _loop(cfg, rank, body, desc) -> tuple[CTRData, RunRecorder]:
+def _data(cfg) -> CTRData:
+    return CTRData(cfg.embedding_rows, cfg.embedding_fields, cfg.zipf_a, cfg.seed)
+
+
+def _loop(cfg, rank, body, desc, data: CTRData | None = None) -> tuple[CTRData, RunRecorder]:
     """body(run, step, ids, dense, y) -> loss runs one step (reporting its blocked time to run.comm)."""
-    data = CTRData(cfg.embedding_rows, cfg.embedding_fields, cfg.zipf_a, cfg.seed)
+    data = data or _data(cfg)
     run = RunRecorder(cfg, rank, desc, log)
     for step in run.steps():
         ids, dense, y = data.batch(rank, step, cfg.batch_size)
@@ -210,6 +215,7 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from worker.embedding import EmbeddingClient, replace_embeddings, select_ps_modules
+    from worker.embedding_pipeline import RowPipeline
 
     torch.set_num_threads(1)
     if cfg.sync not in ("bsp", "asp"):
@@ -232,21 +238,36 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
         opt = local_optimizer(cfg, ddp.parameters())
         ring = {"bytes": 0}
         min_v = (lambda step: step) if cfg.sync == "bsp" else (lambda step: 0)
+        data = _data(cfg)
+        pipe = RowPipeline(client, embs) if cfg.sync == "bsp" else None
+
+        def fetch_rows(run, step, ids):
+            t = time.perf_counter()
+            if pipe is not None:                         # requested during the previous step's backward
+                waited = pipe.begin(step, ids)
+            else:
+                waited0 = sum(e.waited_s for e in embs.values())
+                for e in embs.values():
+                    e.prefetch(ids, min_v(step))
+                waited = sum(e.waited_s for e in embs.values()) - waited0
+            blocked = time.perf_counter() - t
+            run.comm(blocked, min(waited, blocked))      # the shard's wait may have overlapped this worker's work
 
         def body(run, step, ids, dense, y):
-            t = time.perf_counter()
-            waited0 = sum(e.waited_s for e in embs.values())
-            for e in embs.values():
-                e.prefetch(ids, min_v(step))             # BSP gate: rows at version `step`
-            wait = sum(e.waited_s for e in embs.values()) - waited0
-            run.comm(time.perf_counter() - t, wait)
+            fetch_rows(run, step, ids)
             state.new_step()
             loss = F.binary_cross_entropy_with_logits(ddp(ids, dense), y)
             opt.zero_grad(set_to_none=False)
+            if pipe is not None:                         # pushes the row gradients from inside backward
+                pipe.arm(step, data.batch(rank, step + 1, cfg.batch_size)[0] if step + 1 < cfg.steps else None)
             t = time.perf_counter()
             loss.backward()                              # the MLP's gradients are allreduced in here
             run.comm(state.exposed_comm_s(time.time(), time.perf_counter() - t))
             ring["bytes"] += ring_bytes(state.bucket_bytes, world_size)
+            if pipe is not None:
+                pipe.flush()
+                opt.step()
+                return loss.item()
             grads = {}
             for e in embs.values():
                 grads.update(e.row_grads())
@@ -258,7 +279,9 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
             run.comm(time.perf_counter() - t)
             return loss.item()
         dist.barrier()
-        data, run = _loop(cfg, rank, body, f"worker {rank} (hybrid, ctr)")
+        data, run = _loop(cfg, rank, body, f"worker {rank} (hybrid, ctr)", data)
+        if pipe is not None:
+            pipe.close()
         for e in embs.values():
             e.min_version = min_v(cfg.steps)             # evaluate the table after the last step
         ev = evaluate(model, data)

@@ -43,6 +43,7 @@ class CTRData:
         self.w_fields = g.normal(0, 1.0, (fields, TEACHER_DIM)) / np.sqrt(fields * TEACHER_DIM / 12.0)
         self.v_dense = g.normal(0, 0.5 / np.sqrt(DENSE), DENSE)
         self.bias = -0.5
+        self._recent: dict = {}      # (rank, step, batch size) -> batch, the latest two
 
     def _ids(self, g: np.random.Generator, n: int) -> np.ndarray:
         rank = np.searchsorted(self.cdf, g.random((n, self.fields)))          # 0-based rank, Zipf
@@ -62,9 +63,14 @@ class CTRData:
         return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(dense), torch.from_numpy(y), p
 
     def batch(self, rank: int, step: int, batch_size: int):
-        g = np.random.default_rng([self.seed, 1 + rank, step])
-        ids, dense, y, _ = self.sample(g, batch_size)
-        return ids, dense, y
+        """A pure function of (seed, rank, step); the latest two are kept (hybrid's pipeline asks for the next
+        step's ids one step early; the loop asks again)."""
+        key = (rank, step, batch_size)
+        if key not in self._recent:
+            g = np.random.default_rng([self.seed, 1 + rank, step])
+            ids, dense, y, _ = self.sample(g, batch_size)
+            self._recent = dict(list(self._recent.items())[-1:]) | {key: (ids, dense, y)}
+        return self._recent[key]
 
     def test_set(self):
         g = np.random.default_rng([self.seed, 0, 10**9])
