@@ -112,6 +112,10 @@ class TrainConfig:
         0.0,
         "stop at the first evaluation (--eval-every) reaching this test accuracy, or at --steps; every rank "
         "decides alike from the same model (not with --sync asp/ssp, where models differ per rank); 0 = off")
+    target_auc: float = option(
+        0.0,
+        "--workload ctr (--mode allreduce / hybrid): stop at the first evaluation (--eval-every) reaching this "
+        "test AUC, or at --steps; 0 = off")
     # ---- hybrid parallelism / embedding workload (worker/trainers/hybrid.py, docs/hybrid.md) ----
     workload: str = option(
         "mlp",
@@ -195,14 +199,23 @@ class TrainConfig:
         outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum)
 
     def _validate_eval(self) -> None:
-        if self.eval_every < 0 or not 0.0 <= self.target_accuracy <= 1.0:
-            raise ValueError(f"want --eval-every >= 0 and 0 <= --target-accuracy <= 1, got {self.eval_every} and "
-                             f"{self.target_accuracy}")
-        if (self.eval_every or self.target_accuracy) and (self.mode not in ("ps", "allreduce") or self.workload == "ctr"):
-            raise ValueError(f"--eval-every / --target-accuracy apply to --mode ps / allreduce with --workload mlp or "
-                             f"clf, not --mode {self.mode} --workload {self.workload}")
-        if self.target_accuracy and not self.eval_every:
-            raise ValueError("--target-accuracy needs --eval-every N (the evaluations that can reach it)")
+        if self.eval_every < 0 or not 0.0 <= self.target_accuracy <= 1.0 or not 0.0 <= self.target_auc <= 1.0:
+            raise ValueError(f"want --eval-every >= 0 and targets in [0, 1], got --eval-every {self.eval_every}, "
+                             f"--target-accuracy {self.target_accuracy}, --target-auc {self.target_auc}")
+        ctr = self.workload == "ctr"
+        if self.eval_every and self.mode not in (("allreduce", "hybrid") if ctr else ("ps", "allreduce")):
+            raise ValueError(f"--eval-every applies to --mode {'allreduce / hybrid' if ctr else 'ps / allreduce'} "
+                             f"with --workload {self.workload}, not --mode {self.mode}")
+        if self.target_accuracy if ctr else self.target_auc:
+            raise ValueError(f"--workload {self.workload} races to a test "
+                             f"{'AUC: use --target-auc' if ctr else 'accuracy: use --target-accuracy'}")
+        target = self.target_auc or self.target_accuracy
+        if target and not self.eval_every:
+            raise ValueError(f"--target-{'auc' if ctr else 'accuracy'} needs --eval-every N (the evaluations that "
+                             f"can reach it)")
+        if target and self.mode == "hybrid" and self.sync != "bsp":
+            raise ValueError("--target-auc needs --sync bsp in --mode hybrid: under asp every worker evaluates a "
+                             "different table, so the ranks could not agree on when to stop")
         if self.target_accuracy and self.mode == "ps" and self.sync != "bsp":
             raise ValueError(f"--target-accuracy needs --sync bsp in --mode ps: under {self.sync} every worker holds a "
                              f"different model, so the ranks could not agree on when to stop without talking; "

@@ -5,8 +5,8 @@ Each process (PS shard or worker) gets a network namespace of its own, linked to
 with tbf in both directions (deltaps/tools/netns.py), so all traffic between processes crosses `--bandwidth` links.
 Modes run back to back in one invocation on the same topology, with the same model, data, seed, optimizer and
 steps; speed-ups and accuracy deltas are against the fp32 DDP run (`allreduce` or `ddp`) of the same invocation.
-With --eval-every / --target-accuracy every mode races to a test accuracy and the report leads with the time to
-reach it (deltaps/tools/bench_report.py).
+With --eval-every / --target-accuracy (ctr: --target-auc) every mode races to a test accuracy (AUC) and the report
+leads with the time to reach it (deltaps/tools/bench_report.py).
 Without root / iproute2, or with --no-shaping, everything runs on loopback and the report says so.
 
 Mode specs: `ddp` (alias `allreduce`) or `ddp:<hook>` (torch's DDP comm hooks: fp16, bf16, powersgd:rank=R,
@@ -105,10 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-lr", type=float, default=None, help="ps-local modes: outer learning rate")
     p.add_argument("--outer-momentum", type=float, default=None, help="ps-local modes: outer momentum")
     p.add_argument("--eval-every", type=int, default=0,
-                   help="every worker evaluates test accuracy every N steps (not on the clock); 0 = off")
+                   help="every worker evaluates test accuracy (ctr: test AUC) every N steps (not on the clock); 0 = off")
     p.add_argument("--target-accuracy", type=float, default=0.0,
                    help="each mode stops at the first evaluation reaching this test accuracy (or at --steps); the "
                         "report leads with the time to reach it (needs --eval-every; 0 = off)")
+    p.add_argument("--target-auc", type=float, default=0.0, help="--workload ctr: as --target-accuracy, test AUC")
     p.add_argument("--embedding-rows", type=int, default=1_000_000, help="ctr: embedding table rows")
     p.add_argument("--embedding-dim", type=int, default=64, help="ctr: embedding width")
     p.add_argument("--embedding-fields", type=int, default=8, help="ctr: categorical fields per sample")
@@ -251,20 +252,22 @@ def ddp_sparse_run(report: dict) -> dict | None:
 
 
 def format_table_ctr(report: dict) -> str:
-    # + speed-ups against the embedding model's fair DDP peer, ddp:sparse (nn.Embedding(sparse=True)), if it ran
-    ref = ddp_sparse_run(report)
-    cols = ["mode", *bench_report.STEP_COLS, "test AUC", "test logloss", "max |Δloss| vs AR",
-            "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
+    # + speed-ups against the embedding model's fair DDP peer, ddp:sparse (nn.Embedding(sparse=True)), if it ran;
+    # with a --target-auc the time-to-target columns lead (the best peer is then the fastest ddp* mode to it)
+    ref, timed = ddp_sparse_run(report), bool(report.get("target"))
+    cols = ["mode", *(bench_report.TIME_COLS if timed else []), *bench_report.STEP_COLS, "test AUC", "test logloss",
+            "max |Δloss| vs AR", "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
     rows = []
     for spec, m in report["modes"].items():
         if "error" in m:
             rows.append(bench_report.failed_row(spec, m, len(cols)))
             continue
         sp, dl = m.get("speedup_vs_allreduce"), m.get("loss_curve_max_abs_diff_vs_allreduce")
-        rows.append([spec, *bench_report.step_cells(m), f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
+        rows.append([spec, *(bench_report.time_cells(m) if timed else []), *bench_report.step_cells(m),
+                     f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
                      "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
                     + ([f"x{ref['median_step_s'] / m['median_step_s']:.2f}"] if ref else []))
-    return bench_report.table(cols, rows)
+    return "\n".join([bench_report.table(cols, rows)] + ([bench_report.time_note(report)] if timed else []))
 
 
 def compare(args) -> dict:
@@ -285,7 +288,7 @@ def compare(args) -> dict:
             "embedding_rows": args.embedding_rows, "embedding_dim": args.embedding_dim,
             "embedding_fields": args.embedding_fields, "embedding_optimizer": args.embedding_optimizer,
             "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
-            "eval_every": args.eval_every, "target_accuracy": args.target_accuracy,
+            "eval_every": args.eval_every, "target_accuracy": args.target_accuracy, "target_auc": args.target_auc,
             "outer_optimizer": args.outer_optimizer,
             **{k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None},
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
@@ -338,7 +341,7 @@ def compare(args) -> dict:
             try:
                 report["modes"][spec] = run_mode(spec, base, args, net, tmp)
                 m = report["modes"][spec]
-                reached = "" if not args.target_accuracy else (
+                reached = "" if not (args.target_accuracy or args.target_auc) else (
                     f", target not reached in {m['steps']} steps" if m.get("time_to_target_s") is None else
                     f", target reached at step {m['steps_to_target']} after {m['time_to_target_s']:.2f} s")
                 print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, acc {m['final_test_accuracy'] * 100:.2f} %"
@@ -372,8 +375,7 @@ def compare(args) -> dict:
     for m in report["modes"].values():      # ctr: hybrid against the DDP a user would run (sparse gradients)
         if sparse and "error" not in m:
             m["speedup_vs_ddp_sparse"] = sparse["median_step_s"] / m["median_step_s"]
-    if args.workload != "ctr":
-        bench_report.add_time_to_accuracy(report, args.target_accuracy)
+    bench_report.add_time_to_accuracy(report, args.target_auc if args.workload == "ctr" else args.target_accuracy)
     return report
 
 

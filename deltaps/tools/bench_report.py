@@ -27,6 +27,11 @@ def is_peer(spec: str) -> bool:
     return spec.strip().partition(":")[0] in ("ddp", "allreduce")
 
 
+def metric_of(report_or_result: dict) -> str:
+    """The quality metric a run races on: test AUC for the click-through workload, else test accuracy."""
+    return "test_auc" if report_or_result.get("workload") == "ctr" else "test_accuracy"
+
+
 def eval_fields(results: list[dict]) -> dict:
     """A mode's time-to-accuracy fields from its workers' result dicts ({} when they did not evaluate).
     The curve: rank 0's accuracies (the same on every rank in the sync modes) at the largest rank's clock."""
@@ -34,7 +39,8 @@ def eval_fields(results: list[dict]) -> dict:
         return {}
     reached = [r["time_to_target_s"] for r in results if r.get("time_to_target_s") is not None]
     all_reached = len(reached) == len(results)
-    curve = [{"step": pts[0]["step"], "time_s": max(p["time_s"] for p in pts), "test_accuracy": pts[0]["test_accuracy"]}
+    metric = metric_of(results[0])
+    curve = [{"step": pts[0]["step"], "time_s": max(p["time_s"] for p in pts), metric: pts[0][metric]}
              for pts in zip(*(r["evals"] for r in results))]
     return {"time_to_target_s": max(reached) if all_reached else None,
             "steps_to_target": results[0].get("steps_to_target") if all_reached else None,
@@ -76,6 +82,7 @@ def _x(v: float | None) -> str:
 
 
 STEP_COLS = ["median step", "samples/s", "compute/comm/wait", "sent/step", "veth tx/step"]
+TIME_COLS = ["time to target", "steps to target", "x vs best peer", "x vs ddp"]
 
 
 def step_cells(m: dict) -> list[str]:
@@ -90,28 +97,38 @@ def failed_row(spec: str, m: dict, ncols: int) -> list[str]:
     return [spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (ncols - 2)
 
 
+def time_cells(m: dict) -> list[str]:
+    """The time-to-target columns of a mode (TIME_COLS)."""
+    t = m.get("time_to_target_s")
+    return [f"{t:.2f} s" if t is not None else "not reached", m.get("steps_to_target") or "—",
+            _x(m.get("speedup_vs_best_peer")), _x(m.get("speedup_vs_ddp"))]
+
+
+def time_note(report: dict) -> str:
+    metric = metric_of(report).replace("_auc", " AUC").replace("_", " ")
+    return (f"time to target = training seconds (evaluations excluded) until {metric} >= {report['target']:.4g}, "
+            f"largest over ranks; x vs best peer = best peer's ({report.get('best_peer') or 'none reached it'}) "
+            f"time to target / mode's; x vs ddp = fp32 DDP's / mode's")
+
+
 def format_table_mlp(report: dict) -> str:
     """The MLP workloads' table (digits, clf); with a target, the time-to-accuracy columns lead."""
     timed = bool(report.get("target"))
-    cols = ["mode"] + (["time to target", "steps to target", "x vs best peer", "x vs ddp"] if timed else []) + [
+    cols = ["mode"] + (TIME_COLS if timed else []) + [
         *STEP_COLS, "test acc", "Δacc vs AR", "speed-up vs AR"]
     rows = []
     for spec, m in report["modes"].items():
         if "error" in m:
             rows.append(failed_row(spec, m, len(cols)))
             continue
-        da, t = m.get("accuracy_delta_vs_allreduce"), m.get("time_to_target_s")
-        lead = [f"{t:.2f} s" if t is not None else "not reached", m.get("steps_to_target") or "—",
-                _x(m.get("speedup_vs_best_peer")), _x(m.get("speedup_vs_ddp"))] if timed else []
-        rows.append([spec] + lead + step_cells(m) + [
+        da = m.get("accuracy_delta_vs_allreduce")
+        rows.append([spec] + (time_cells(m) if timed else []) + step_cells(m) + [
             f"{m['final_test_accuracy'] * 100:.2f} %",
             "—" if da is None else f"{da * 100:+.2f} pp" + (" !" if m.get("accuracy_flag") else ""),
             _x(m.get("speedup_vs_allreduce"))])
     notes = []
     if timed:
-        notes.append(f"time to target = training seconds (evaluations excluded) until test accuracy >= "
-                     f"{report['target']:.4g}, largest over ranks; x vs best peer = best peer's "
-                     f"({report.get('best_peer') or 'none reached it'}) time to target / mode's; x vs ddp = fp32 DDP's / mode's")
+        notes.append(time_note(report))
     if any(m.get("accuracy_flag") for m in report["modes"].values()):
         notes.append(f"! = final accuracy differs from fp32 DDP's by more than {ACCURACY_FLAG * 100:.1f} points")
     return "\n".join([table(cols, rows)] + notes)
@@ -136,8 +153,9 @@ def header(report: dict) -> str:
              f"lr {report['lr']}, seed {report['seed']}", model_line(report),
              f"network: {net['description']}"]
     if report.get("eval_every"):
-        target = f"stop at test accuracy {report['target']:.4g}, " if report.get("target") else ""
-        lines.append(f"evaluation: {target}test accuracy every {report['eval_every']} steps (evaluation time is "
+        metric = metric_of(report).replace("_auc", " AUC").replace("_", " ")
+        target = f"stop at {metric} {report['target']:.4g}, " if report.get("target") else ""
+        lines.append(f"evaluation: {target}{metric} every {report['eval_every']} steps (evaluation time is "
                      f"not on the clock)")
     if net.get("measured_link_gbit_s") is not None:
         lines.append(f"         measured one TCP stream worker->worker: {net['measured_link_gbit_s']:.3f} Gbit/s")
@@ -179,21 +197,23 @@ def plot(report: dict, path: str) -> None:
     ax1.set_title(f"step split, {report['workers']} workers @ {report['bandwidth']}"
                   + ("" if report["shaped"] else " (loopback, NOT shaped)"), fontsize=9)
     ax1.legend(fontsize=8)
-    accs = [m["final_test_accuracy"] * 100 for m in ms]
+    auc = report.get("workload") == "ctr"     # the click-through workload: AUC, not click accuracy
+    accs = [m["final_test_auc" if auc else "final_test_accuracy"] * 100 for m in ms]
     ax2.bar(x, accs, color=["#d62728" if m.get("accuracy_flag") else "#55a868" for m in ms])
     for i, a in enumerate(accs):
         ax2.text(i, a, f"{a:.1f}", ha="center", va="bottom", fontsize=8)
     ax2.set_ylim(max(0, min(accs, default=0) - 10), 100)
     ax2.set_xticks(list(x), modes, rotation=15, fontsize=8)
-    ax2.set_ylabel("final test accuracy (%)")
-    ax2.set_title(f"accuracy, MLP {report['model_params'] / 1e6:.1f}M params (red: >0.5 pp off ddp)", fontsize=9)
+    ax2.set_ylabel("final test AUC (x100)" if auc else "final test accuracy (%)")
+    ax2.set_title(f"{'AUC' if auc else 'accuracy'}, {report['model_params'] / 1e6:.1f}M params"
+                  + ("" if auc else " (red: >0.5 pp off ddp)"), fontsize=9)
     if curves:
-        ax3 = axes[2]
+        ax3, metric = axes[2], metric_of(report)
         for spec, m in zip(modes, ms):
             pts = m.get("evals") or []
             t = m.get("time_to_target_s")
             label = f"{spec}: " + (f"{t:.2f} s" if t is not None else "not reached") + (" !" if m.get("accuracy_flag") else "")
-            ax3.plot([p["time_s"] for p in pts], [p["test_accuracy"] * 100 for p in pts], marker=".", label=label,
+            ax3.plot([p["time_s"] for p in pts], [p[metric] * 100 for p in pts], marker=".", label=label,
                      linestyle="--" if is_peer(spec) else "-")
         if report.get("target"):
             ax3.axhline(report["target"] * 100, color="black", linewidth=0.8, linestyle=":", label="target")
@@ -201,8 +221,8 @@ def plot(report: dict, path: str) -> None:
         if times and max(times) > 20 * min(times):   # modes 10-100x apart: a log axis keeps the fast ones readable
             ax3.set_xscale("log")
         ax3.set_xlabel("training time (s, evaluations excluded)")
-        ax3.set_ylabel("test accuracy (%)")
-        ax3.set_title(f"time to accuracy (best peer: {report.get('best_peer') or '—'})", fontsize=9)
+        ax3.set_ylabel("test AUC (x100)" if metric == "test_auc" else "test accuracy (%)")
+        ax3.set_title(f"time to target (best peer: {report.get('best_peer') or '—'})", fontsize=9)
         legend = ax3.legend(fontsize=7)
         for text, m in zip(legend.get_texts(), ms):
             if m.get("accuracy_flag"):

@@ -26,3 +26,25 @@ def test_ddp_sparse_runs_in_bench_compare(tmp_path, capsys):
     # rows, not the 20000 x 16 table, cross the wire
     assert sparse["bytes_per_step"] < dense["bytes_per_step"] / 5
     assert "speed-up vs ddp:sparse" in text
+
+
+def test_ctr_races_to_a_test_auc(tmp_path, capsys):
+    """--target-auc: ddp:sparse and hybrid evaluate the test AUC every 4 steps off the clock and stop at the
+    first evaluation reaching it — at the same step, since both compute the same updates (adagrad table)."""
+    out = tmp_path / "r.json"
+    rc = bc.main(["--workload", "ctr", "--no-shaping", "--workers", "2", "--servers", "2", "--steps", "40",
+                  "--batch-size", "64", "--hidden", "32", "--embedding-rows", "20000", "--embedding-dim", "16",
+                  "--modes", "ddp:sparse,hybrid", "--eval-every", "4", "--target-auc", "0.7", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    r = json.loads(out.read_text())
+    assert r["target"] == 0.7 and r["best_peer"] == "ddp:sparse"
+    sparse, hybrid = r["modes"]["ddp:sparse"], r["modes"]["hybrid"]
+    for m in (sparse, hybrid):
+        assert m["steps_to_target"] is not None and m["steps_to_target"] % 4 == 0 and m["steps"] == m["steps_to_target"]
+        assert m["time_to_target_s"] > 0 and all(p["test_auc"] > 0.4 for p in m["evals"])
+        assert m["evals"][-1]["test_auc"] >= 0.7 > max((p["test_auc"] for p in m["evals"][:-1]), default=0.0)
+    assert hybrid["steps_to_target"] == sparse["steps_to_target"]
+    assert [p["test_auc"] for p in hybrid["evals"]] == pytest.approx([p["test_auc"] for p in sparse["evals"]], abs=1e-4)
+    assert hybrid["speedup_vs_best_peer"] == pytest.approx(sparse["time_to_target_s"] / hybrid["time_to_target_s"])
+    assert "time to target" in text and "until test AUC >= 0.7" in text

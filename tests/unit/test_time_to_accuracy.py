@@ -56,9 +56,24 @@ def test_eval_and_target_flags_are_validated():
     with pytest.raises(ValueError, match="needs --eval-every"):
         load_config(None, {"target_accuracy": 0.9})
     with pytest.raises(ValueError, match="--mode ps / allreduce"):
-        load_config(None, {"workload": "ctr", "eval_every": 10})
-    with pytest.raises(ValueError, match="target-accuracy <= 1"):
+        load_config(None, {"mode": "pipeline", "eval_every": 10})
+    with pytest.raises(ValueError, match="targets in"):
         load_config(None, {"eval_every": 10, "target_accuracy": 90})
+
+
+def test_the_ctr_workload_races_to_a_test_auc():
+    for mode in ("allreduce", "hybrid"):
+        load_config(None, {"workload": "ctr", "mode": mode, "eval_every": 10, "target_auc": 0.8})
+    with pytest.raises(ValueError, match="use --target-auc"):
+        load_config(None, {"workload": "ctr", "mode": "hybrid", "eval_every": 10, "target_accuracy": 0.8})
+    with pytest.raises(ValueError, match="use --target-accuracy"):
+        load_config(None, {"workload": "clf", "eval_every": 10, "target_auc": 0.8})
+    with pytest.raises(ValueError, match="--mode allreduce / hybrid"):
+        load_config(None, {"workload": "ctr", "mode": "ps", "eval_every": 10})
+    with pytest.raises(ValueError, match="--sync bsp in --mode hybrid"):
+        load_config(None, {"workload": "ctr", "mode": "hybrid", "sync": "asp", "eval_every": 10, "target_auc": 0.8})
+    with pytest.raises(ValueError, match="--target-auc needs --eval-every"):
+        load_config(None, {"workload": "ctr", "mode": "hybrid", "target_auc": 0.8})
 
 
 def test_local_update_flags_are_validated():

@@ -202,6 +202,8 @@ class RunRecorder:
         self.time_to_target_s: float | None = None
         self._t_start = 0.0
         self._eval_due = False
+        ctr = cfg.workload == "ctr"     # the click-through workload races to a test AUC
+        self.metric, self.target = ("test_auc", cfg.target_auc) if ctr else ("test_accuracy", cfg.target_accuracy)
 
     def steps(self, first: int = 0) -> Iterator[int]:
         """Steps first .. cfg.steps - 1 under a progress bar; wall_s covers the whole loop."""
@@ -254,11 +256,17 @@ class RunRecorder:
         """Seconds of the training loop so far, evaluations left out."""
         return time.perf_counter() - self._t_start - self.eval_s
 
+    def eval_due(self) -> bool:
+        """An evaluation is due after the current step (or is pending a synced step)."""
+        every = self.cfg.eval_every
+        return bool(every) and (self._eval_due or (self._step + 1) % every == 0)
+
     def evaluate(self, accuracy_fn, synced: bool = True) -> bool:
-        """After `record()`: every cfg.eval_every steps evaluate `accuracy_fn()` (-> test accuracy), timed apart
-        from training. synced: every rank holds the same model now (DDP: always; local SGD / PS local updates:
-        right after an average); a due evaluation waits for the next synced step. Returns True when this one
-        reached cfg.target_accuracy: `steps()` then ends the loop."""
+        """After `record()`: every cfg.eval_every steps evaluate `accuracy_fn()` (-> test accuracy; --workload
+        ctr: test AUC), timed apart from training. synced: every rank holds the same model now (DDP: always;
+        local SGD / PS local updates: right after an average); a due evaluation waits for the next synced step.
+        Returns True when this one reached cfg.target_accuracy (ctr: cfg.target_auc): `steps()` then ends the
+        loop."""
         every, done = self.cfg.eval_every, self._step + 1
         if not every:
             return False
@@ -270,10 +278,11 @@ class RunRecorder:
         train_s = t0 - self._t_start - self.eval_s
         acc = float(accuracy_fn())
         self.eval_s += time.perf_counter() - t0
-        self.evals.append({"step": done, "time_s": train_s, "test_accuracy": acc})
+        self.evals.append({"step": done, "time_s": train_s, self.metric: acc})
         if self.cfg.log_every:
-            self.log.info("worker %d step %d test accuracy %.4f (%.2f s of training)", self.rank, done, acc, train_s)
-        target = self.cfg.target_accuracy
+            self.log.info("worker %d step %d %s %.4f (%.2f s of training)", self.rank, done,
+                          self.metric.replace("_", " "), acc, train_s)
+        target = self.target
         if target and self.steps_to_target is None and acc >= target:
             self.steps_to_target, self.time_to_target_s = done, train_s
             return True
@@ -283,7 +292,7 @@ class RunRecorder:
         """The result keys of evaluation during training (RunResult.extras); {} when --eval-every is off."""
         if not self.cfg.eval_every:
             return {}
-        return {"evals": list(self.evals), "eval_s": self.eval_s, "target_accuracy": self.cfg.target_accuracy or None,
+        return {"evals": list(self.evals), "eval_s": self.eval_s, self.metric.replace("test", "target"): self.target or None,
                 "time_to_target_s": self.time_to_target_s, "steps_to_target": self.steps_to_target}
 
     def result(self, *, final_test_accuracy: float, model_params: int, samples: float | None = None,

@@ -99,13 +99,16 @@ def _data(cfg) -> CTRData:
     return CTRData(cfg.embedding_rows, cfg.embedding_fields, cfg.zipf_a, cfg.seed)
 
 
-def _loop(cfg, rank, body, desc, data: CTRData | None = None) -> tuple[CTRData, RunRecorder]:
-    """body(run, step, ids, dense, y) -> loss runs one step (reporting its blocked time to run.comm)."""
+def _loop(cfg, rank, body, desc, data: CTRData | None = None, auc_fn=None) -> tuple[CTRData, RunRecorder]:
+    """body(run, step, ids, dense, y) -> loss runs one step (reporting its blocked time to run.comm);
+    auc_fn(step) -> the test AUC after `step`, for --eval-every / --target-auc (off the clock)."""
     data = data or _data(cfg)
     run = RunRecorder(cfg, rank, desc, log)
     for step in run.steps():
         ids, dense, y = data.batch(rank, step, cfg.batch_size)
         run.record(body(run, step, ids, dense, y))
+        if auc_fn is not None:
+            run.evaluate(lambda step=step: auc_fn(step))
     return data, run
 
 
@@ -167,7 +170,9 @@ def train_ctr_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_add
             opt_e.step()
             return loss.item()
         dist.barrier()
-        data, run = _loop(cfg, rank, body, f"worker {rank} (allreduce{', sparse table' if sparse else ''}, ctr)")
+        data = _data(cfg)
+        data, run = _loop(cfg, rank, body, f"worker {rank} (allreduce{', sparse table' if sparse else ''}, ctr)", data,
+                          lambda step: evaluate(model, data)["test_auc"])
         ev = evaluate(model, data)
         save_model(cfg, rank, model)
         extra = {"timing_method": "ddp-comm-hook: comm = backward return - last bucket ready (wait not split)"}
@@ -258,8 +263,10 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
             state.new_step()
             loss = F.binary_cross_entropy_with_logits(ddp(ids, dense), y)
             opt.zero_grad(set_to_none=False)
-            if pipe is not None:                         # pushes the row gradients from inside backward
-                pipe.arm(step, data.batch(rank, step + 1, cfg.batch_size)[0] if step + 1 < cfg.steps else None)
+            if pipe is not None:    # pushes the row gradients from inside backward, then pulls the next rows
+                # ... but not across an evaluation, which is off the clock: that pull stays on it
+                last = step + 1 >= cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+                pipe.arm(step, None if last else data.batch(rank, step + 1, cfg.batch_size)[0])
             t = time.perf_counter()
             loss.backward()                              # the MLP's gradients are allreduced in here
             run.comm(state.exposed_comm_s(time.time(), time.perf_counter() - t))
@@ -278,12 +285,17 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
                 f.result()
             run.comm(time.perf_counter() - t)
             return loss.item()
+
+        def table_auc(step):    # the table the shards hold after `step` (the evaluation pulls at that version)
+            for e in embs.values():
+                e.min_version = min_v(step + 1)
+            return evaluate(model, data)["test_auc"]
         dist.barrier()
-        data, run = _loop(cfg, rank, body, f"worker {rank} (hybrid, ctr)", data)
+        data, run = _loop(cfg, rank, body, f"worker {rank} (hybrid, ctr)", data, table_auc)
         if pipe is not None:
             pipe.close()
         for e in embs.values():
-            e.min_version = min_v(cfg.steps)             # evaluate the table after the last step
+            e.min_version = min_v(run.steps_to_target or cfg.steps)   # the table after the last step run
         ev = evaluate(model, data)
         save_model(cfg, rank, model)                     # the dense part (the table stays on the shards)
         c = client.stats.snapshot()
