@@ -220,6 +220,7 @@ def plot(report: dict, path: str) -> None:
         times = [p["time_s"] for m in ms for p in (m.get("evals") or []) if p["time_s"] > 0]
         if times and max(times) > 20 * min(times):   # modes 10-100x apart: a log axis keeps the fast ones readable
             ax3.set_xscale("log")
+            ax3.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # labels on decades only
         ax3.set_xlabel("training time (s, evaluations excluded)")
         ax3.set_ylabel("test AUC (x100)" if metric == "test_auc" else "test accuracy (%)")
         ax3.set_title(f"time to target (best peer: {report.get('best_peer') or '—'})", fontsize=9)
