@@ -1,13 +1,13 @@
 """`deltaps bench compare`'s report: time to accuracy (the headline), the text table, the header and the PNG.
 
-Time to accuracy (--eval-every, --target-accuracy): every worker evaluates the test accuracy every N steps,
-timed apart from training (worker/trainers/base.py RunRecorder), and the run stops at the first evaluation
-that reaches the target. A mode's `time_to_target_s` is the largest over its ranks of the training seconds
-before that evaluation (the job has reached the target when its slowest rank has; the ranks stop at the same
-step by construction, so their figures differ only by clock skew between processes); `steps_to_target` is
-that step. `best_peer` is the fastest-to-target mode whose spec head is ddp or allreduce (what a user already
-runs); `speedup_vs_best_peer` / `speedup_vs_ddp` = that peer's (fp32 DDP's) time to target / the mode's,
-null when either never reached the target.
+Time to accuracy (--eval-every, --target-accuracy; --workload ctr: --target-auc, on the test AUC): every worker
+evaluates the test accuracy every N steps, timed apart from training (worker/trainers/base.py RunRecorder), and the
+run stops at the first evaluation that reaches the target. A mode's `time_to_target_s` is the largest over its
+ranks of the training seconds before that evaluation (the job has reached the target when its slowest rank has; the
+ranks stop at the same step by construction, so their figures differ only by clock skew between processes);
+`steps_to_target` is that step. `best_peer` is the fastest-to-target mode whose spec head is ddp or allreduce (what
+a user already runs); `speedup_vs_best_peer` / `speedup_vs_ddp` = that peer's (fp32 DDP's) time to target / the
+mode's, null when either never reached the target.
 """
 from __future__ import annotations
 
