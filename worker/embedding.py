@@ -41,9 +41,6 @@ class PendingPull:
     def result(self) -> tuple[dict[str, torch.Tensor], float]:
         return self.out, max((f.result() for f in self.futures), default=0.0)
 
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
-
 
 class EmbeddingClient:
     """Sparse pull/push of embedding rows across all shards, in parallel (one channel per shard)."""

@@ -202,8 +202,11 @@ class RunRecorder:
         self.time_to_target_s: float | None = None
         self._t_start = 0.0
         self._eval_due = False
-        ctr = cfg.workload == "ctr"     # the click-through workload races to a test AUC
-        self.metric, self.target = ("test_auc", cfg.target_auc) if ctr else ("test_accuracy", cfg.target_accuracy)
+        # what the evaluations measure, the result key of the target, the target: the click-through workload
+        # races to a test AUC
+        self.metric, self.target_key, self.target = (
+            ("test_auc", "target_auc", cfg.target_auc) if cfg.workload == "ctr"
+            else ("test_accuracy", "target_accuracy", cfg.target_accuracy))
 
     def steps(self, first: int = 0) -> Iterator[int]:
         """Steps first .. cfg.steps - 1 under a progress bar; wall_s covers the whole loop."""
@@ -256,11 +259,6 @@ class RunRecorder:
         """Seconds of the training loop so far, evaluations left out."""
         return time.perf_counter() - self._t_start - self.eval_s
 
-    def eval_due(self) -> bool:
-        """An evaluation is due after the current step (or is pending a synced step)."""
-        every = self.cfg.eval_every
-        return bool(every) and (self._eval_due or (self._step + 1) % every == 0)
-
     def evaluate(self, accuracy_fn, synced: bool = True) -> bool:
         """After `record()`: every cfg.eval_every steps evaluate `accuracy_fn()` (-> test accuracy; --workload
         ctr: test AUC), timed apart from training. synced: every rank holds the same model now (DDP: always;
@@ -292,7 +290,7 @@ class RunRecorder:
         """The result keys of evaluation during training (RunResult.extras); {} when --eval-every is off."""
         if not self.cfg.eval_every:
             return {}
-        return {"evals": list(self.evals), "eval_s": self.eval_s, self.metric.replace("test", "target"): self.target or None,
+        return {"evals": list(self.evals), "eval_s": self.eval_s, self.target_key: self.target or None,
                 "time_to_target_s": self.time_to_target_s, "steps_to_target": self.steps_to_target}
 
     def result(self, *, final_test_accuracy: float, model_params: int, samples: float | None = None,
