@@ -28,7 +28,8 @@ class TrainConfig:
         "on the PS, rest allreduced) or pipeline (pipeline stages x data-parallel replicas via the PS)")
     ddp_hook: str = option(
         "none",
-        "allreduce mode: DDP communication hook, as torch ships them: none (fp32 average), fp16, bf16, "
+        "allreduce mode (hybrid: its dense part, fp16 / bf16): DDP communication hook, as torch ships them: "
+        "none (fp32 average), fp16, bf16, "
         "powersgd:rank=R[:start=S] (PowerSGD with error feedback and warm start; plain allreduce before step S, "
         "default 10) or localsgd:period=H[:start=S] (post-local SGD: no gradient allreduce from step S, default 1; "
         "models averaged every H steps); see docs/compare.md")
@@ -170,8 +171,12 @@ class TrainConfig:
         lo, hi = self.min_workers or 1, self.max_workers or self.workers
         if not 1 <= lo <= self.workers <= hi:
             raise ValueError(f"want 1 <= --min-workers {lo} <= --workers {self.workers} <= --max-workers {hi}")
-        if (self.ddp_hook or "none") != "none" and self.mode != "allreduce":   # its syntax: worker/trainers/ddp_hooks.py
-            raise ValueError(f"--ddp-hook {self.ddp_hook} applies to --mode allreduce only, not {self.mode}")
+        hook = (self.ddp_hook or "none").split(":")[0]        # its syntax: worker/trainers/ddp_hooks.py
+        if hook != "none" and self.mode not in ("allreduce", "hybrid"):
+            raise ValueError(f"--ddp-hook {self.ddp_hook} applies to --mode allreduce / hybrid, not {self.mode}")
+        if hook not in ("none", "fp16", "bf16") and (self.mode == "hybrid" or self.workload == "ctr"):
+            raise ValueError(f"--ddp-hook {self.ddp_hook}: the click-through model's dense buckets take fp16 or bf16 "
+                             f"(the embedding rows go their own way)")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
         self._validate_local_updates()

@@ -68,10 +68,10 @@ def parse_mode(spec: str) -> dict:
     if local:
         return {"mode": "ps", "sync": "bsp", "codec": codec or "none", "local_steps": int(local[1]),
                 "stream_fragments": int(local[2] or 1), "overlap_steps": int(local[3] if local[3] else -1)}
-    if head == "hybrid":   # embeddings row-sparse on the PS, the rest allreduced (--workload ctr)
-        if codec:
-            raise ValueError(f"mode {spec!r}: hybrid takes no codec")
-        return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr"}
+    if head == "hybrid":   # embeddings row-sparse on the PS, the rest allreduced (--workload ctr), fp16/bf16 hook
+        if codec not in ("", "fp16", "bf16"):
+            raise ValueError(f"mode {spec!r}: hybrid takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
+        return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", **({"ddp_hook": codec} if codec else {})}
     raise ValueError(f"unknown mode spec {spec!r}; use ddp[:<hook>|:sparse] (or allreduce), ps:<codec>, ps-asp:<codec>, "
                      f"ps-local<H>[x<F>][o<tau>]:<codec> or hybrid")
 
@@ -246,9 +246,10 @@ def format_table(report: dict) -> str:
 
 
 def ddp_sparse_run(report: dict) -> dict | None:
-    """The successful ddp:sparse run of a ctr report (the embedding model's fair DDP peer), if any."""
-    return next((m for s, m in report["modes"].items()
-                 if m.get("median_step_s") and parse_mode(s).get("sparse_embeddings")), None)
+    """The successful ddp:sparse run of a ctr report (the embedding model's fair DDP peer; the one without a hook
+    when both ran), if any."""
+    runs = [(s, m) for s, m in report["modes"].items() if m.get("median_step_s") and parse_mode(s).get("sparse_embeddings")]
+    return min(runs, key=lambda sm: "ddp_hook" in parse_mode(sm[0]), default=(None, None))[1]
 
 
 def format_table_ctr(report: dict) -> str:

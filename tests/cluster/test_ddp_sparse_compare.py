@@ -48,3 +48,22 @@ def test_ctr_races_to_a_test_auc(tmp_path, capsys):
     assert [p["test_auc"] for p in hybrid["evals"]] == pytest.approx([p["test_auc"] for p in sparse["evals"]], abs=1e-4)
     assert hybrid["speedup_vs_best_peer"] == pytest.approx(sparse["time_to_target_s"] / hybrid["time_to_target_s"])
     assert "time to target" in text and "until test AUC >= 0.7" in text
+
+
+def test_fp16_on_the_dense_part_of_ddp_sparse_and_hybrid(tmp_path, capsys):
+    """ddp:sparse:fp16 / hybrid:fp16: torch's fp16 hook on the dense buckets halves their ring bytes; the
+    embedding rows still go as before; both still follow the fp32 runs' loss curve closely."""
+    out = tmp_path / "r.json"
+    rc = bc.main(["--workload", "ctr", "--no-shaping", "--workers", "2", "--servers", "2", "--steps", "10",
+                  "--batch-size", "64", "--hidden", "32", "--embedding-rows", "20000", "--embedding-dim", "16",
+                  "--modes", "ddp:sparse,ddp:sparse:fp16,hybrid,hybrid:fp16", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    m = json.loads(out.read_text())["modes"]
+    assert m["hybrid:fp16"]["dense_ring_bytes_per_step"] == pytest.approx(m["hybrid"]["dense_ring_bytes_per_step"] / 2)
+    assert m["hybrid:fp16"]["sparse_bytes_pushed_per_step"] == m["hybrid"]["sparse_bytes_pushed_per_step"]
+    assert m["ddp:sparse:fp16"]["bytes_per_step"] < m["ddp:sparse"]["bytes_per_step"]
+    for spec in ("ddp:sparse:fp16", "hybrid:fp16"):
+        plain = spec.rsplit(":", 1)[0]
+        assert m[spec]["ddp_hook"] == "fp16" and m[plain]["ddp_hook"] == "none"
+        assert max(abs(a - b) for a, b in zip(m[spec]["losses_rank0"], m[plain]["losses_rank0"])) < 1e-3

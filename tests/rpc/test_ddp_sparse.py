@@ -71,8 +71,18 @@ def test_sparse_gradients_give_the_dense_run_parameters(runs, opt):
 def test_mode_spec_and_config():
     assert parse_mode("ddp:sparse") == {"mode": "allreduce", "sparse_embeddings": True}
     assert parse_mode("allreduce:sparse") == parse_mode("ddp:sparse")
-    with pytest.raises(ValueError, match="takes no hook"):
-        parse_mode("ddp:sparse:fp16")
+    # fp16 / bf16 on the dense buckets, for the peer and for hybrid's dense part alike
+    assert parse_mode("ddp:sparse:fp16") == {"mode": "allreduce", "sparse_embeddings": True, "ddp_hook": "fp16"}
+    assert parse_mode("hybrid:bf16")["ddp_hook"] == "bf16" and "ddp_hook" not in parse_mode("hybrid")
+    assert load_config(None, {"workload": "ctr", **parse_mode("hybrid:fp16")}).ddp_hook == "fp16"
+    with pytest.raises(ValueError, match="takes fp16 or bf16"):
+        parse_mode("ddp:sparse:powersgd:rank=2")
+    with pytest.raises(ValueError, match="hybrid takes fp16 or bf16"):
+        parse_mode("hybrid:int8")
+    with pytest.raises(ValueError, match="dense buckets take fp16 or bf16"):
+        load_config(None, {"mode": "hybrid", "workload": "ctr", "ddp_hook": "powersgd:rank=2"})
+    with pytest.raises(ValueError, match="--mode allreduce / hybrid"):
+        load_config(None, {"mode": "ps", "ddp_hook": "fp16"})
     with pytest.raises(ValueError, match="workload ctr"):        # the digits MLP has no embedding table
         load_config(None, {"workload": "mlp", **parse_mode("ddp:sparse")})
     with pytest.raises(ValueError, match="mode allreduce"):

@@ -97,12 +97,18 @@ def timed_allreduce_hook(state: AllreduceHookState, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def register_timed_hook(ddp, state: AllreduceHookState, ddp_hook: str = "none", backend: str = "gloo") -> PeerHook:
-    """Register timed_allreduce_hook on ddp, running the DDP comm hook `ddp_hook` names (--ddp-hook, parsed by
-    check_ddp_hook; worker/trainers/ddp_hooks.py) inside it. Collective: every rank calls it."""
+def wrap_hook(state: AllreduceHookState, ddp_hook: str = "none", backend: str = "gloo") -> PeerHook:
+    """Make timed_allreduce_hook(state, ...) run the DDP comm hook `ddp_hook` names (--ddp-hook, parsed by
+    check_ddp_hook; worker/trainers/ddp_hooks.py); `none` keeps DDP's fp32 average. Collective: every rank calls it."""
     peer = build_hook(parse_ddp_hook(ddp_hook), backend)
     if peer.inner is not None:
         state.wrap(peer.inner, peer.inner_state, peer.payload)
+    return peer
+
+
+def register_timed_hook(ddp, state: AllreduceHookState, ddp_hook: str = "none", backend: str = "gloo") -> PeerHook:
+    """Register timed_allreduce_hook on ddp, running the hook `ddp_hook` names inside it (wrap_hook)."""
+    peer = wrap_hook(state, ddp_hook, backend)
     ddp.register_comm_hook(state, timed_allreduce_hook)
     return peer
 

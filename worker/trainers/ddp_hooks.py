@@ -97,13 +97,15 @@ def parse_ddp_hook(spec: str | None) -> HookSpec:
 
 
 def ddp_mode_overrides(spec: str | None) -> dict:
-    """bench compare's `ddp[:<spec>]` -> TrainConfig overrides: a comm hook (parse_ddp_hook), or `sparse`, which is
-    not a hook: DDP's default allreduce with nn.Embedding(sparse=True) tables (--sparse-embeddings); it takes no hook."""
+    """bench compare's `ddp[:<spec>]` -> TrainConfig overrides: a comm hook (parse_ddp_hook), or `sparse[:fp16|bf16]`,
+    which is not a hook: DDP's default allreduce with nn.Embedding(sparse=True) tables (--sparse-embeddings), its
+    dense buckets optionally through the fp16 / bf16 hook."""
     text = (spec or "").strip().lower()
-    if re.split(r"[:,]", text)[0] == "sparse":
-        if text != "sparse":
-            raise ValueError(f"ddp:sparse takes no hook (sparse gradients go through DDP's default allreduce), got {spec!r}")
-        return {"mode": "allreduce", "sparse_embeddings": True}
+    head, _, hook = text.partition(":")
+    if head == "sparse":    # + fp16 / bf16 on the dense buckets (the sparse one goes through gloo's sparse allreduce)
+        if hook not in ("", "fp16", "bf16"):
+            raise ValueError(f"ddp:sparse takes fp16 or bf16 for its dense buckets, got {spec!r}")
+        return {"mode": "allreduce", "sparse_embeddings": True, **({"ddp_hook": hook} if hook else {})}
     hook = str(parse_ddp_hook(spec or "none"))
     return {"mode": "allreduce"} if hook == "none" else {"mode": "allreduce", "ddp_hook": hook}
 

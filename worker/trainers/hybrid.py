@@ -41,9 +41,11 @@ from worker.trainers.collective import (
     AllreduceHookState,
     env_rendezvous,
     init_process_group,
+    register_timed_hook,
     ring_bytes,
     server_stats_when_done,
     timed_allreduce_hook,
+    wrap_hook,
 )
 from worker.workloads.ctr import CTRData, CTRModel, evaluate, table_spec
 
@@ -151,6 +153,7 @@ def train_ctr_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_add
         sparse = cfg.sparse_embeddings
         ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
         state = SparseHookState(world_size)
+        wrap_hook(state, cfg.ddp_hook)          # fp16 / bf16 (--ddp-hook): the dense buckets only
         ddp.register_comm_hook(state, sparse_aware_hook)
         opt_d = local_optimizer(cfg, model.mlp.parameters())
         opt_e = table_optimizer(cfg, [model.emb.weight], sparse)
@@ -164,7 +167,7 @@ def train_ctr_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_add
             t = time.perf_counter()
             loss.backward()
             run.comm(state.exposed_comm_s(time.time(), time.perf_counter() - t))
-            sent["bytes"] += ring_bytes(state.bucket_bytes, world_size) + state.sparse_sent
+            sent["bytes"] += ring_bytes(state.payload_bytes, world_size) + state.sparse_sent
             sent["sparse"] += state.sparse_sent
             opt_d.step()
             opt_e.step()
@@ -239,7 +242,7 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
         embs = replace_embeddings(model, names, client)
         ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
         state = AllreduceHookState(world_size)
-        ddp.register_comm_hook(state, timed_allreduce_hook)
+        register_timed_hook(ddp, state, cfg.ddp_hook)   # fp16 / bf16 (--ddp-hook) or DDP's fp32 average
         opt = local_optimizer(cfg, ddp.parameters())
         ring = {"bytes": 0}
         min_v = (lambda step: step) if cfg.sync == "bsp" else (lambda step: 0)
@@ -270,7 +273,7 @@ def train_hybrid(cfg: TrainConfig, servers: list[str], rank: int, world_size: in
             t = time.perf_counter()
             loss.backward()                              # the MLP's gradients are allreduced in here
             run.comm(state.exposed_comm_s(time.time(), time.perf_counter() - t))
-            ring["bytes"] += ring_bytes(state.bucket_bytes, world_size)
+            ring["bytes"] += ring_bytes(state.payload_bytes, world_size)
             if pipe is not None:
                 pipe.flush()
                 opt.step()
