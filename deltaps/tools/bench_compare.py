@@ -55,7 +55,8 @@ def hidden_for_params(n: int, layers: int) -> int:
 
 
 def parse_mode(spec: str) -> dict:
-    """'ddp[:hook|:sparse]' (alias 'allreduce[:..]') | 'ps[:codec]' | 'ps-asp[:codec]' | 'hybrid' -> TrainConfig overrides."""
+    """'ddp[:hook|:sparse[:fp16|bf16]]' (alias 'allreduce[:..]') | 'ps[:codec]' | 'ps-asp[:codec]' |
+    'ps-local<H>[x<F>][o<tau>][:codec]' | 'hybrid[:fp16|bf16]' -> TrainConfig overrides."""
     head, _, codec = spec.strip().partition(":")
     if head in ("ddp", "allreduce"):   # DDP: plain, one of torch's comm hooks, or sparse embeddings (ddp_hooks.py)
         try:
@@ -72,8 +73,8 @@ def parse_mode(spec: str) -> dict:
         if codec not in ("", "fp16", "bf16"):
             raise ValueError(f"mode {spec!r}: hybrid takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
         return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", **({"ddp_hook": codec} if codec else {})}
-    raise ValueError(f"unknown mode spec {spec!r}; use ddp[:<hook>|:sparse] (or allreduce), ps:<codec>, ps-asp:<codec>, "
-                     f"ps-local<H>[x<F>][o<tau>]:<codec> or hybrid")
+    raise ValueError(f"unknown mode spec {spec!r}; use ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, "
+                     f"ps-asp:<codec>, ps-local<H>[x<F>][o<tau>]:<codec> or hybrid[:fp16|bf16]")
 
 
 def build_parser() -> argparse.ArgumentParser:
