@@ -214,15 +214,11 @@ class TrainConfig:
         if self.target_accuracy if ctr else self.target_auc:
             raise ValueError(f"--workload {self.workload} races to a test "
                              f"{'AUC: use --target-auc' if ctr else 'accuracy: use --target-accuracy'}")
-        target = self.target_auc or self.target_accuracy
+        target, flag = self.target_auc or self.target_accuracy, "--target-auc" if ctr else "--target-accuracy"
         if target and not self.eval_every:
-            raise ValueError(f"--target-{'auc' if ctr else 'accuracy'} needs --eval-every N (the evaluations that "
-                             f"can reach it)")
-        if target and self.mode == "hybrid" and self.sync != "bsp":
-            raise ValueError("--target-auc needs --sync bsp in --mode hybrid: under asp every worker evaluates a "
-                             "different table, so the ranks could not agree on when to stop")
-        if self.target_accuracy and self.mode == "ps" and self.sync != "bsp":
-            raise ValueError(f"--target-accuracy needs --sync bsp in --mode ps: under {self.sync} every worker holds a "
+            raise ValueError(f"{flag} needs --eval-every N (the evaluations that can reach it)")
+        if target and self.mode in ("ps", "hybrid") and self.sync != "bsp":
+            raise ValueError(f"{flag} needs --sync bsp in --mode {self.mode}: under {self.sync} every worker holds a "
                              f"different model, so the ranks could not agree on when to stop without talking; "
                              f"--eval-every alone still records each rank's evaluations")
 

@@ -32,6 +32,11 @@ def metric_of(report_or_result: dict) -> str:
     return "test_auc" if report_or_result.get("workload") == "ctr" else "test_accuracy"
 
 
+def metric_label(report: dict) -> str:
+    """metric_of in words: 'test AUC' / 'test accuracy'."""
+    return "test AUC" if metric_of(report) == "test_auc" else "test accuracy"
+
+
 def eval_fields(results: list[dict]) -> dict:
     """A mode's time-to-accuracy fields from its workers' result dicts ({} when they did not evaluate).
     The curve: rank 0's accuracies (the same on every rank in the sync modes) at the largest rank's clock."""
@@ -105,7 +110,7 @@ def time_cells(m: dict) -> list[str]:
 
 
 def time_note(report: dict) -> str:
-    metric = metric_of(report).replace("_auc", " AUC").replace("_", " ")
+    metric = metric_label(report)
     return (f"time to target = training seconds (evaluations excluded) until {metric} >= {report['target']:.4g}, "
             f"largest over ranks; x vs best peer = best peer's ({report.get('best_peer') or 'none reached it'}) "
             f"time to target / mode's; x vs ddp = fp32 DDP's / mode's")
@@ -153,7 +158,7 @@ def header(report: dict) -> str:
              f"lr {report['lr']}, seed {report['seed']}", model_line(report),
              f"network: {net['description']}"]
     if report.get("eval_every"):
-        metric = metric_of(report).replace("_auc", " AUC").replace("_", " ")
+        metric = metric_label(report)
         target = f"stop at {metric} {report['target']:.4g}, " if report.get("target") else ""
         lines.append(f"evaluation: {target}{metric} every {report['eval_every']} steps (evaluation time is "
                      f"not on the clock)")
@@ -197,7 +202,7 @@ def plot(report: dict, path: str) -> None:
     ax1.set_title(f"step split, {report['workers']} workers @ {report['bandwidth']}"
                   + ("" if report["shaped"] else " (loopback, NOT shaped)"), fontsize=9)
     ax1.legend(fontsize=8)
-    auc = report.get("workload") == "ctr"     # the click-through workload: AUC, not click accuracy
+    auc = metric_of(report) == "test_auc"     # the click-through workload: AUC, not click accuracy
     accs = [m["final_test_auc" if auc else "final_test_accuracy"] * 100 for m in ms]
     ax2.bar(x, accs, color=["#d62728" if m.get("accuracy_flag") else "#55a868" for m in ms])
     for i, a in enumerate(accs):
