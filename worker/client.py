@@ -25,7 +25,7 @@ from deltaps.layout import (
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.pull_codec import DELTA, FULL
 from deltaps.sync import parse_sync
-from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, RECONNECT_OPTIONS, grpc_options
+from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, client_channels
 from deltaps.wire import accumulate_payload_into, chunk_from_tensor, fill_chunk, read_chunk
 from protos import PROTOCOL_VERSION, pb, rpc
 from worker.session import SessionPolicy, ShardSession
@@ -77,8 +77,7 @@ class PSClient:
         # security: a deltaps.security.Security (token, TLS); None = token from $DELTAPS_TOKEN if set, plaintext
         from deltaps.security import Security
         self.security = security if security is not None else Security.from_env()
-        self.channels = [self.security.channel(s, grpc_options(max_message_bytes) + RECONNECT_OPTIONS)
-                         for s in self.servers]
+        self.channels = client_channels(self.security, self.servers, max_message_bytes)
         self.stubs = [rpc.ParameterServerStub(ch) for ch in self.channels]
         self.pool = ThreadPoolExecutor(max_workers=max(8, 4 * len(servers)), thread_name_prefix="ps-client")
         self.stats = CommStats()

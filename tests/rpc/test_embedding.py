@@ -1,4 +1,4 @@
-"""Row-sparse embedding tables on the PS (ps/embedding/, worker/embedding.py) over real gRPC shards."""
+"""Row-sparse embedding tables on the PS (ps/embedding/, worker/embedding/) over real gRPC shards."""
 import threading
 import time
 

@@ -1,6 +1,6 @@
 """Embedding tables are durable and covered by eviction: store state round trip, checkpoint/restore of a shard
 mid-step (a half-aggregated bsp step survives, lost steps are replayed exactly once), the Checkpointer sees
-embedding-only progress, a silent worker is evicted and rejoins (ps/embedding/, worker/embedding_session.py)."""
+embedding-only progress, a silent worker is evicted and rejoins (ps/embedding/, worker/embedding/session.py)."""
 import io
 import time
 

@@ -1,11 +1,11 @@
-"""RowPipeline (worker/embedding_pipeline.py): the row push leaves from inside backward, the next step's
+"""RowPipeline (worker/embedding/pipeline.py): the row push leaves from inside backward, the next step's
 pull is in flight before backward returns, and the result is exactly the sequential exchange's."""
 import torch
 from conftest import run_threads
 
 from deltaps.embedding import TableSpec
 from worker.embedding import EmbeddingClient, PSEmbedding
-from worker.embedding_pipeline import RowPipeline
+from worker.embedding.pipeline import RowPipeline
 
 ROWS, DIM, WORLD, STEPS = 300, 8, 2, 5
 

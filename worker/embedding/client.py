@@ -1,34 +1,23 @@
-"""Row-sparse embeddings on the parameter servers, worker side.
+"""EmbeddingClient: sparse pull/push of embedding rows across all shards in parallel (one channel per shard).
 
-    client = EmbeddingClient(servers, rank, world_size, [TableSpec("emb", 1_000_000, 64, "adagrad", lr=0.05)])
-    emb = PSEmbedding("emb", client)            # drop-in for nn.Embedding(1_000_000, 64) in forward
-    for step, (ids, y) in enumerate(batches):
-        out = model(emb(ids))                    # pulls only the unique rows of `ids` (blocks for step's version)
-        loss.backward()                          # gradient lands in a small [n_unique, 64] local tensor
-        client.push_rows(step, emb.row_grads())  # pushes only those rows' gradients (one request per shard)
-
-The whole step never materialises the table: a worker holds unique-ids x dim floats. Rows live on shard
-id % num_shards (ps/embedding/ applies the row-wise optimizer there). `replace_embeddings(model, ...)`
-swaps the nn.Embedding modules a rule selects for PSEmbedding modules. Shard restarts (from a checkpoint)
-and evictions are handled per shard by worker/embedding_session.py: reconnect, replay, rejoin.
+Rows live on shard id % num_shards (ps/embedding/ applies the row-wise optimizer there). Shard restarts
+(from a checkpoint) and evictions are handled per shard by worker/embedding/session.py: reconnect, replay,
+rejoin. The nn.Module side (PSEmbedding, replace_embeddings) is worker/embedding/modules.py.
 """
 from __future__ import annotations
 
-import fnmatch
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from deltaps.embedding import TableSpec, ids_to_bytes, rows_from_bytes, rows_to_bytes
 from deltaps.errors import call
-from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
+from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, client_channels
 from protos import PROTOCOL_VERSION, pb, rpc
 from worker.client import CommStats
-from worker.embedding_session import EmbeddingSession
+from worker.embedding.session import EmbeddingSession
 from worker.session import SessionPolicy
 
 
@@ -57,7 +46,7 @@ class EmbeddingClient:
         self.n = len(self.servers)
         self.tables = {t.name: t for t in tables}
         self.sync, self.timeout_s, self.chunk_bytes = sync, timeout_s, chunk_bytes
-        self.channels = [self.security.channel(s, grpc_options(max_message_bytes)) for s in self.servers]
+        self.channels = client_channels(self.security, self.servers, max_message_bytes)
         self.stubs = [rpc.ParameterServerStub(ch) for ch in self.channels]
         self.closed = threading.Event()
         policy = SessionPolicy(worker_id, timeout_s + 30, reconnect_deadline_s, replay_steps)
@@ -181,91 +170,3 @@ class EmbeddingClient:
         self.pool.shutdown(wait=False)
         for ch in self.channels:
             ch.close()
-
-
-class PSEmbedding(nn.Module):
-    """nn.Embedding whose table lives on the parameter servers. forward(ids) pulls the unique rows of ids
-    (at the module's `min_version`, the BSP gate: the trainer sets it to the step number) into a small
-    local leaf tensor; after backward, row_grads() gives {table: (unique ids, grad rows)} to push."""
-
-    def __init__(self, table: str, client: EmbeddingClient):
-        super().__init__()
-        self.table, self.client = table, client
-        spec = client.tables[table]
-        self.num_embeddings, self.embedding_dim = spec.num_rows, spec.dim
-        self.min_version = 0
-        self.waited_s = 0.0
-        self._ids = None
-        self._rows = None
-        self._prefetched = None
-
-    def prefetch(self, ids: torch.Tensor, min_version: int) -> None:
-        """Pull the rows of a batch ahead of forward."""
-        uniq, inv = torch.unique(ids, return_inverse=True)
-        vals, waited = self.client.pull_rows({self.table: uniq}, min_version)
-        self.hand_over(ids, uniq, inv, vals[self.table], waited)
-
-    def hand_over(self, ids: torch.Tensor, uniq: torch.Tensor, inv: torch.Tensor, rows: torch.Tensor,
-                  waited: float) -> None:
-        """Rows of `ids` pulled elsewhere (prefetch, worker/embedding_pipeline.py): forward(ids) uses them."""
-        self._prefetched = (ids, uniq, inv, rows)
-        self.waited_s += waited
-
-    def rows_need_grad(self) -> bool:
-        return self._rows is not None and self._rows.requires_grad
-
-    def on_rows_grad(self, fn) -> None:
-        """fn() once backward has accumulated this forward's row gradient."""
-        self._rows.register_post_accumulate_grad_hook(lambda _t: fn())
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._prefetched is not None and self._prefetched[0] is ids:
-            _, uniq, inv, rows = self._prefetched
-        else:
-            uniq, inv = torch.unique(ids, return_inverse=True)
-            vals, waited = self.client.pull_rows({self.table: uniq}, self.min_version)
-            rows = vals[self.table]
-            self.waited_s += waited
-        self._prefetched = None
-        self._ids, self._rows = uniq, rows.requires_grad_(self.training)
-        return F.embedding(inv, self._rows)
-
-    def row_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        if self._rows is None or self._rows.grad is None:
-            return {self.table: (torch.empty(0, dtype=torch.int64), torch.empty(0, self.embedding_dim))}
-        return {self.table: (self._ids, self._rows.grad)}
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r} (on the parameter servers)"
-
-
-def select_ps_modules(model: nn.Module, rule: str = "embedding") -> list[str]:
-    """Names of the modules whose parameters live on the PS in hybrid mode: rule `embedding` = every
-    nn.Embedding; otherwise comma-separated fnmatch patterns on module names (or their `.weight`
-    parameter names), which must select nn.Embedding modules."""
-    embs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
-    if rule.strip() in ("", "embedding", "embeddings"):
-        return list(embs)
-    pats = [p.strip() for p in rule.split(",") if p.strip()]
-    chosen = []
-    for n, m in model.named_modules():
-        if n and any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n + ".weight", p) for p in pats):
-            if n not in embs:
-                raise ValueError(f"--ps-params {rule!r} selects module {n!r} ({type(m).__name__}); only nn.Embedding "
-                                 f"modules can live on the PS row-sparse in hybrid mode")
-            chosen.append(n)
-    if not chosen:
-        raise ValueError(f"--ps-params {rule!r} selects no nn.Embedding module (have: {', '.join(embs) or 'none'})")
-    return chosen
-
-
-def replace_embeddings(model: nn.Module, names: list[str], client: EmbeddingClient) -> dict[str, PSEmbedding]:
-    """Swap the named nn.Embedding modules for PSEmbedding modules (table name = module name)."""
-    out = {}
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        ps_emb = PSEmbedding(name, client)
-        setattr(parent, attr, ps_emb)
-        out[name] = ps_emb
-    return out

@@ -1,4 +1,4 @@
-"""Failure handling of the embedding client (worker/embedding.py): one EmbeddingSession per shard, with the
+"""Failure handling of the embedding client (worker/embedding/client.py): one EmbeddingSession per shard, with the
 dense path's semantics (worker/session.py, docs/failure-semantics.md) for SparsePull / SparsePush.
 
 * Reconnect: UNAVAILABLE / CANCELLED is retried with backoff until `reconnect_deadline_s`.

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.embedding import EmbeddingClient, PSEmbedding
+from worker.embedding.client import EmbeddingClient
+from worker.embedding.modules import PSEmbedding
 
 
 class RowPipeline:
