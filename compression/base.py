@@ -39,7 +39,7 @@ class Codec:
     name = "base"
     lossy = True
     default_error_feedback = False
-    stateful = False    # keeps per-key state on the sender (compress(..., key=...)); see DGC
+    stateful = False    # keeps per-key state on the sender (compress(..., key=...)); see DGC. Not a pull codec
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
         raise NotImplementedError

@@ -50,9 +50,6 @@ class ErrorFeedback:
             return self.codec.residual(key)
         return r
 
-    def pop_residual(self, key: str) -> torch.Tensor | None:
-        return self._residual.pop(key, None)
-
     def add_residual(self, key: str, tensor: torch.Tensor) -> None:
         """Merge an external residual (e.g. DGC's unsent accumulation) into this key's memory."""
         t = tensor.detach().reshape(-1)
@@ -64,6 +61,3 @@ class ErrorFeedback:
 
     def keys(self) -> list[str]:
         return list(self._residual)
-
-    def reset(self) -> None:
-        self._residual.clear()

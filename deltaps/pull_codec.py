@@ -12,7 +12,6 @@ from compression import get_codec
 from compression.base import CodecError, parse_spec
 
 FULL, DELTA, UNCHANGED = 0, 1, 2
-_STATEFUL = ("dgc",)
 
 
 # 'auto': a deterministic codec (the shared view gives error feedback): casts stay casts, everything
@@ -26,8 +25,6 @@ def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:
     spec = (pull_codec or "auto").strip()
     if spec == "auto":
         return AUTO.get(parse_spec(push_codec)[0], "int8")
-    name = parse_spec(spec)[0]
-    if name in _STATEFUL:
+    if get_codec(spec).stateful:
         raise CodecError(f"pull codec {spec!r} is stateful per sender; use e.g. int8, fp16, topk")
-    get_codec(spec)
     return spec

@@ -3,7 +3,7 @@ import pytest
 import torch
 from helpers import client
 
-from compression import CodecError
+from compression import CodecError, available_codecs, get_codec
 from deltaps.pull_codec import resolve_pull_codec
 
 
@@ -80,7 +80,17 @@ def test_pull_codec_resolution():
     assert resolve_pull_codec("auto", "qsgd:levels=16") == "int8"
     assert resolve_pull_codec("auto", "fp16") == "fp16"
     assert resolve_pull_codec("fp16", "none") == "fp16"
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match="stateful"):
         resolve_pull_codec("dgc:ratio=0.01", "none")
     with pytest.raises(CodecError):
         resolve_pull_codec("bogus", "none")
+
+
+def test_pull_codec_refuses_exactly_the_stateful_codecs():
+    """The rule is the codec's own `stateful` attribute: no list of names to keep in step with the registry."""
+    for name in available_codecs():
+        if get_codec(name).stateful:
+            with pytest.raises(CodecError, match="stateful"):
+                resolve_pull_codec(name, "none")
+        else:
+            assert resolve_pull_codec(name, "none") == name
