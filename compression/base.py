@@ -85,7 +85,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    t = t.contiguous().reshape(-1)      # flat: memoryview cannot cast a shape such as (4, 0)
     if t.dtype == torch.bfloat16:
         return memoryview(t.view(torch.int16).numpy()).cast("B")
     return memoryview(t.numpy()).cast("B")
