@@ -9,11 +9,10 @@ With --eval-every / --target-accuracy (ctr: --target-auc) every mode races to a 
 leads with the time to reach it (deltaps/tools/bench_report.py).
 Without root / iproute2, or with --no-shaping, everything runs on loopback and the report says so.
 
-Mode specs: `ddp` (alias `allreduce`) or `ddp:<hook>` (torch's DDP comm hooks: fp16, bf16, powersgd:rank=R,
-localsgd:period=H; worker/trainers/ddp_hooks.py), `ddp:sparse` (ctr: sparse embedding gradients); `ps` or
-`ps:<codec spec>` (split on the first colon: ps:topk:ratio=0.01 -> codec topk:ratio=0.01); `ps-asp:<codec spec>`
-for asynchronous PS; `ps-local<H>[x<F>][o<tau>]:<codec spec>` local updates (--local-steps H, --stream-fragments
-F, --overlap-steps tau, the outer optimizer from --outer-optimizer); `hybrid`.
+Mode specs (their grammar: deltaps/strategies.py): `ddp` (alias `allreduce`), `ddp:<hook>` (torch's DDP comm
+hooks: fp16, bf16, powersgd:rank=R, localsgd:period=H), `ddp:sparse[:fp16|bf16]` (ctr), `ps[:<codec spec>]`,
+`ps-asp:<codec spec>`, `ps-local<H>[x<F>][o<tau>]:<codec spec>` (local updates; the outer optimizer from
+--outer-optimizer), `hybrid[:fp16|bf16]`.
 """
 from __future__ import annotations
 
@@ -29,10 +28,9 @@ import time
 import yaml
 
 from deltaps.config import load_config
+from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_report, netns
-from deltaps.tools.costmodel import LOCAL_STRATEGY
 from deltaps.tools.launch import free_port, stop_processes, summarize, tail_file, wait_port_file, wait_workers
-from worker.trainers.ddp_hooks import ddp_mode_overrides
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
 
 IN_FEATURES, CLASSES = 64, 10
@@ -55,26 +53,9 @@ def hidden_for_params(n: int, layers: int) -> int:
 
 
 def parse_mode(spec: str) -> dict:
-    """'ddp[:hook|:sparse[:fp16|bf16]]' (alias 'allreduce[:..]') | 'ps[:codec]' | 'ps-asp[:codec]' |
-    'ps-local<H>[x<F>][o<tau>][:codec]' | 'hybrid[:fp16|bf16]' -> TrainConfig overrides."""
-    head, _, codec = spec.strip().partition(":")
-    if head in ("ddp", "allreduce"):   # DDP: plain, one of torch's comm hooks, or sparse embeddings (ddp_hooks.py)
-        try:
-            return ddp_mode_overrides(codec)
-        except ValueError as e:
-            raise ValueError(f"mode {spec!r}: {e}") from None
-    if head in ("ps", "ps-bsp", "ps-asp"):
-        return {"mode": "ps", "sync": "asp" if head == "ps-asp" else "bsp", "codec": codec or "none"}
-    local = LOCAL_STRATEGY.fullmatch(head)      # ps-local<H>[x<F>][o<tau>], named as deltaps advise names it
-    if local:
-        return {"mode": "ps", "sync": "bsp", "codec": codec or "none", "local_steps": int(local[1]),
-                "stream_fragments": int(local[2] or 1), "overlap_steps": int(local[3] if local[3] else -1)}
-    if head == "hybrid":   # embeddings row-sparse on the PS, the rest allreduced (--workload ctr), fp16/bf16 hook
-        if codec not in ("", "fp16", "bf16"):
-            raise ValueError(f"mode {spec!r}: hybrid takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
-        return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", **({"ddp_hook": codec} if codec else {})}
-    raise ValueError(f"unknown mode spec {spec!r}; use ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, "
-                     f"ps-asp:<codec>, ps-local<H>[x<F>][o<tau>]:<codec> or hybrid[:fp16|bf16]")
+    """A mode spec (deltaps/strategies.py: 'ddp[:hook|:sparse[:fp16|bf16]]' alias 'allreduce[:..]' | 'ps[:codec]' |
+    'ps-asp[:codec]' | 'ps-local<H>[x<F>][o<tau>][:codec]' | 'hybrid[:fp16|bf16]') -> TrainConfig overrides."""
+    return parse_mode_spec(spec).overrides()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", default="1gbit", help="per-process link rate, each direction (tc syntax)")
     p.add_argument("--latency", default=None, help="one-way process-to-process latency (needs netem)")
     p.add_argument("--modes", default="allreduce,ps:none,ps:int8,ps:topk:ratio=0.01",
-                   help="comma-separated mode specs (a comma inside a codec spec is not supported)")
+                   help="comma-separated mode specs (deltaps/strategies.py; an item with '=' and no ':' continues "
+                        "the previous spec: ps:topk:ratio=0.01,chunk=4096)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=None, help=f"MLP hidden width (default 2048; {CLF_HIDDEN} with "
@@ -249,8 +231,9 @@ def format_table(report: dict) -> str:
 def ddp_sparse_run(report: dict) -> dict | None:
     """The successful ddp:sparse run of a ctr report (the embedding model's fair DDP peer; the one without a hook
     when both ran), if any."""
-    runs = [(s, m) for s, m in report["modes"].items() if m.get("median_step_s") and parse_mode(s).get("sparse_embeddings")]
-    return min(runs, key=lambda sm: "ddp_hook" in parse_mode(sm[0]), default=(None, None))[1]
+    runs = [(parse_mode_spec(s), m) for s, m in report["modes"].items() if m.get("median_step_s")]
+    runs = [(s, m) for s, m in runs if s.sparse_embeddings]
+    return min(runs, key=lambda sm: sm[0].ddp_hook is not None, default=(None, None))[1]
 
 
 def format_table_ctr(report: dict) -> str:
@@ -275,11 +258,11 @@ def format_table_ctr(report: dict) -> str:
 def compare(args) -> dict:
     if args.servers is None:
         args.servers = args.workers
-    specs = [s.strip() for s in args.modes.split(",") if s.strip()]
+    specs = split_mode_specs(args.modes)
     if len(set(specs)) != len(specs):
         raise ValueError("duplicate mode specs")
     if args.workload is None:
-        ctr = any(s.partition(":")[0] == "hybrid" or parse_mode(s).get("sparse_embeddings") for s in specs)
+        ctr = any(m.family == "hybrid" or m.sparse_embeddings for m in map(parse_mode_spec, specs))
         args.workload = "ctr" if ctr else "mlp"
     if args.hidden is None:
         args.hidden = CLF_HIDDEN if args.workload == "clf" else 2048

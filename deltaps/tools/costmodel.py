@@ -43,7 +43,6 @@ Costs: train time = steps x t_step; GPU-hours = gpus x train time / 3600; cost =
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from deltaps.layout import (
@@ -57,6 +56,7 @@ from deltaps.layout import (
 )
 from deltaps.optimizer_config import overlap_steps
 from deltaps.pull_codec import resolve_pull_codec
+from deltaps.strategies import ModeSpec, parse_mode_spec
 
 
 # ---- calibration & job ----------------------------------------------------------------------------------
@@ -384,8 +384,9 @@ def predict_local(cal: Calibration, job: Job, codec: str, local_steps: int, frag
     exposed = fragments * max(0.0, round_comm / fragments - tau * inner) / local_steps
     step = inner + exposed
     H = local_steps
-    name = f"ps-local{H}{f'x{fragments}' if fragments > 1 else ''}{f'o{tau}' if overlap is not None else ''}"
-    return {**p, "strategy": f"{name}:{canonical(codec)}",
+    name = ModeSpec("ps", codec=canonical(codec), local_steps=H, stream_fragments=fragments,
+                    overlap_steps=None if overlap is None else tau)
+    return {**p, "strategy": str(name),
             "step_s": step, "compute_s": inner, "comm_s": exposed, "network_s": p["network_s"] / H,
             "cpu_comm_s": p["cpu_comm_s"] / H, "overlap_s": round_comm / H - exposed,
             "bytes_sent_per_worker": p["bytes_sent_per_worker"] / H,
@@ -394,23 +395,22 @@ def predict_local(cal: Calibration, job: Job, codec: str, local_steps: int, frag
             "overlap_steps": tau}
 
 
-LOCAL_STRATEGY = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?")
+PREDICTED = "allreduce (alias ddp), ps:<codec> (alias ps-bsp:<codec>) or ps-local<H>[x<F>][o<tau>]:<codec>"
 
 
 def predict(cal: Calibration, job: Job, strategy: str) -> dict:
-    """strategy: 'allreduce', 'ps:<codec spec>' (ps:none, ps:int8, ps:topk:ratio=0.01, ...) or a local-update
-    job 'ps-local<H>[x<F>][o<tau>]:<codec spec>' (ps-local8:int8: --local-steps 8; ps-local32x4:none: 4
-    fragments; ps-local32x4o4:int8: each fragment's exchange overlapping 4 inner steps)."""
-    head, _, codec = strategy.partition(":")
-    if head == "allreduce":
+    """strategy: a mode spec (deltaps/strategies.py) this model predicts: 'allreduce' (fp32 DDP), 'ps:<codec spec>'
+    (ps:none, ps:int8, ps:topk:ratio=0.01, ...) or a local-update job 'ps-local<H>[x<F>][o<tau>]:<codec spec>'
+    (ps-local8:int8: --local-steps 8; ps-local32x4:none: 4 fragments; ps-local32x4o4:int8: each fragment's
+    exchange overlapping 4 inner steps). Not DDP hooks, ddp:sparse, ps-asp or hybrid."""
+    spec = parse_mode_spec(strategy)
+    if spec.family == "ddp" and spec.ddp_hook is None and not spec.sparse_embeddings:
         return predict_allreduce(cal, job)
-    if head == "ps":
-        return predict_ps(cal, job, codec or "none")
-    local = LOCAL_STRATEGY.fullmatch(head)
-    if local:
-        return predict_local(cal, job, codec or "none", int(local[1]), int(local[2] or 1),
-                             int(local[3]) if local[3] else None)
-    raise ValueError(f"unknown strategy {strategy!r}; use allreduce, ps:<codec> or ps-local<H>[x<F>][o<tau>]:<codec>")
+    if spec.family == "ps" and spec.sync == "bsp":
+        if spec.local_steps is None:
+            return predict_ps(cal, job, spec.codec)
+        return predict_local(cal, job, spec.codec, spec.local_steps, spec.stream_fragments, spec.overlap_steps)
+    raise ValueError(f"strategy {strategy!r}: the cost model predicts {PREDICTED}")
 
 
 def mlp_tensors(hidden: int, layers: int, in_features: int = 64, classes: int = 10) -> list:
@@ -421,10 +421,6 @@ def mlp_tensors(hidden: int, layers: int, in_features: int = 64, classes: int = 
         width, idx = hidden, idx + 2
     out += [(f"{idx}.weight", width * classes), (f"{idx}.bias", classes)]
     return out
-
-
-def layout_keys(tensors: list, shards: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    return len(build_layout([(n, k, "float32") for n, k in tensors], shards, chunk_bytes))
 
 
 __all__ = ["Calibration", "CodecSpeed", "Job", "predict", "predict_allreduce", "predict_ps", "predict_local",

@@ -11,7 +11,6 @@ import pytest
 
 from deltaps.cli import main as cli_main
 from deltaps.config import load_config
-from deltaps.tools.bench_compare import parse_mode
 from deltaps.tools.launch import free_port, launch
 from worker.trainers.collective import ring_bytes
 from worker.trainers.ddp_hooks import parse_ddp_hook
@@ -135,47 +134,6 @@ def test_our_powersgd_computes_what_torchs_hook_computes(runs):
     assert "torch powerSGD_hook" in theirs["ddp_hook_impl"]
     assert _max_diff(ours["losses"], theirs["losses"]) < 1e-5
     assert ours["bytes_pushed_wire_steps"] == theirs["bytes_pushed_wire_steps"]
-
-
-GOOD = {
-    "ddp": {"mode": "allreduce"},
-    "allreduce": {"mode": "allreduce"},
-    "ddp:none": {"mode": "allreduce"},
-    "ddp:fp16": {"mode": "allreduce", "ddp_hook": "fp16"},
-    "allreduce:bf16": {"mode": "allreduce", "ddp_hook": "bf16"},
-    "ddp:powersgd:rank=4": {"mode": "allreduce", "ddp_hook": "powersgd:rank=4:start=10"},
-    "ddp:powersgd:rank=2:start=3:impl=torch": {"mode": "allreduce", "ddp_hook": "powersgd:rank=2:start=3:impl=torch"},
-    "ddp:localsgd:period=8": {"mode": "allreduce", "ddp_hook": "localsgd:period=8:start=1"},
-    "ddp:localsgd:period=4:start=0": {"mode": "allreduce", "ddp_hook": "localsgd:period=4:start=0"},
-}
-BAD = {
-    "ddp:fp8": "unknown ddp hook",
-    "ddp:fp16:rank=2": "unexpected parameter",
-    "ddp:powersgd:rank=0": "rank must be >= 1",
-    "ddp:powersgd:rank=two": "rank must be an integer",
-    "ddp:powersgd:rank=2:start=1": "start must be >= 2",
-    "ddp:powersgd:period=2": "unexpected parameter",
-    "ddp:powersgd:impl=nccl": "impl must be auto, torch or deltaps",
-    "ddp:localsgd": "needs period=H",
-    "ddp:localsgd:period=0": "period must be >= 1",
-    "ddp:localsgd:period": "unexpected parameter",
-    "horovod:fp16": "unknown mode spec",
-}
-
-
-def test_bench_compare_parses_every_peer_spec():
-    for spec, want in GOOD.items():
-        assert parse_mode(spec) == want, spec
-        load_config(None, {"workers": 2, **want})             # bench compare's fail-fast check passes
-        if "ddp_hook" in want:                                 # canonical specs parse to themselves
-            assert str(parse_ddp_hook(want["ddp_hook"])) == want["ddp_hook"]
-    for spec, why in BAD.items():
-        with pytest.raises(ValueError, match=why) as e:
-            parse_mode(spec)
-        if spec.startswith("ddp"):
-            assert f"mode {spec!r}" in str(e.value)
-    with pytest.raises(ValueError, match="use none, fp16, bf16, powersgd:rank=R"):
-        parse_mode("ddp:int8")
 
 
 def test_a_bad_ddp_hook_flag_fails_before_the_rendezvous(capsys):

@@ -2,19 +2,15 @@
 (`--mode allreduce --ddp-hook ...`, bench compare's `ddp:<hook>` modes), run by torch itself on the same model,
 data, seed and optimizer as every other mode.
 
-Hook specs (`parse_ddp_hook`; `:` or `,` separate the parameters):
-  none                          DDP's default: fp32 gradients, averaging allreduce
-  fp16 | bf16                   torch's fp16_compress_hook / bf16_compress_hook (half the bytes)
-  powersgd:rank=R[:start=S][:impl=auto|torch|deltaps]
-                                PowerSGD (error feedback, warm start, min compression rate 2, vanilla allreduce
-                                before step S, default 10, at least 2). impl=torch is torch's powerSGD_hook;
-                                impl=deltaps (`powersgd_hook` below) the same math with the collectives chained
-                                without blocking waits inside future callbacks — torch's hook deadlocks or
-                                mismatches collectives on gloo (docs/compare.md); auto = torch on nccl, ours on gloo
-  localsgd:period=H[:start=S]   torch's post-local-SGD: post_localSGD_hook (gradient allreduce before step S,
-                                default 1; none after) + PeriodicModelAverager(period=H, warmup_steps=S)
-bench compare's `ddp:sparse` is no hook (`ddp_mode_overrides`): DDP's default allreduce with the model's
-nn.Embedding tables sparse=True (--sparse-embeddings, the ctr workload); `--ddp-hook sparse` is refused.
+Hook specs (`HookSpec`, `parse_ddp_hook`: their grammar lives in deltaps/strategies.py, with the mode specs
+that name them, and is re-exported here): none, fp16 | bf16 (torch's fp16_compress_hook / bf16_compress_hook),
+powersgd:rank=R[:start=S][:impl=auto|torch|deltaps] (PowerSGD: error feedback, warm start, min compression rate 2;
+impl=torch is torch's powerSGD_hook; impl=deltaps (`powersgd_hook` below) the same math with the collectives
+chained without blocking waits inside future callbacks — torch's hook deadlocks or mismatches collectives on gloo
+(docs/compare.md); auto = torch on nccl, ours on gloo), localsgd:period=H[:start=S] (torch's post_localSGD_hook,
+gradient allreduce before step S, none after, + PeriodicModelAverager(period=H, warmup_steps=S)).
+bench compare's `ddp:sparse` is no hook (deltaps.strategies.parse_mode_spec): DDP's default allreduce with the
+model's nn.Embedding tables sparse=True (--sparse-embeddings, the ctr workload); `--ddp-hook sparse` is refused.
 
 Bytes: each hook's payload per bucket is what it hands to allreduce (`payload_fn`); train_allreduce turns
 payload bytes into the ring figure 2(p-1)/p x payload, as for plain DDP.
@@ -24,90 +20,19 @@ its timing hook (this module imports nothing of worker.trainers).
 """
 from __future__ import annotations
 
-import re
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["HookSpec", "parse_ddp_hook", "ddp_mode_overrides", "build_hook", "PeerHook", "PowerSGDState",
+from deltaps.strategies import HookSpec, parse_ddp_hook
+
+__all__ = ["HookSpec", "parse_ddp_hook", "build_hook", "PeerHook", "PowerSGDState",
            "powersgd_hook", "orthogonalize"]
 
-POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
-LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
 MIN_COMPRESSION_RATE = 2.0
 ORTHO_EPS = 1e-8         # torch's advice when a column may be all zeros (dead ReLU units)
-SPECS = "none, fp16, bf16, powersgd:rank=R[:start=S][:impl=auto|torch|deltaps] or localsgd:period=H[:start=S]"
-
-
-@dataclass(frozen=True)
-class HookSpec:
-    kind: str = "none"       # none | fp16 | bf16 | powersgd | localsgd
-    rank: int = 1            # powersgd: matrix approximation rank
-    start: int = 0           # powersgd: start_powerSGD_iter; localsgd: start_localSGD_iter
-    period: int = 0          # localsgd: average the models every `period` steps
-    impl: str = "auto"       # powersgd: auto | torch | deltaps
-
-    def __str__(self) -> str:
-        if self.kind == "powersgd":
-            return f"powersgd:rank={self.rank}:start={self.start}" + ("" if self.impl == "auto" else f":impl={self.impl}")
-        if self.kind == "localsgd":
-            return f"localsgd:period={self.period}:start={self.start}"
-        return self.kind
-
-
-def parse_ddp_hook(spec: str | None) -> HookSpec:
-    """'none' | 'fp16' | 'bf16' | 'powersgd:rank=R[:start=S][:impl=..]' | 'localsgd:period=H[:start=S]'."""
-    head, *rest = re.split(r"[:,]", (spec or "none").strip().lower())
-    head = {"": "none", "fp32": "none", "allreduce": "none"}.get(head, head)
-    bad = f"ddp hook {spec!r}"
-    allowed = {"powersgd": {"rank", "start", "impl"}, "localsgd": {"period", "start"}}.get(head)
-    if head == "sparse":
-        raise ValueError(f"{bad}: sparse is not a DDP comm hook; use --sparse-embeddings (bench compare's ddp:sparse)")
-    if head not in ("none", "fp16", "bf16", "powersgd", "localsgd"):
-        raise ValueError(f"unknown {bad}; use {SPECS}")
-    params = {}
-    for item in filter(None, rest):
-        key, eq, value = item.partition("=")
-        if not eq or not allowed or key not in allowed:
-            raise ValueError(f"{bad}: unexpected parameter {item!r}; use {SPECS}")
-        params[key] = value
-    if head in ("none", "fp16", "bf16"):
-        return HookSpec(head)
-
-    def integer(key, default, low):
-        try:
-            v = int(params.get(key, default))
-        except ValueError:
-            raise ValueError(f"{bad}: {key} must be an integer, got {params[key]!r}") from None
-        if v < low:
-            raise ValueError(f"{bad}: {key} must be >= {low}, got {v}")
-        return v
-    if head == "powersgd":
-        impl = params.get("impl", "auto")
-        if impl not in ("auto", "torch", "deltaps"):
-            raise ValueError(f"{bad}: impl must be auto, torch or deltaps, got {impl!r}")
-        # >= 2: DDP rebuilds its buckets at step 1, and error feedback / warm start are kept per bucket
-        return HookSpec("powersgd", rank=integer("rank", 1, 1), start=integer("start", POWERSGD_START, 2), impl=impl)
-    if "period" not in params:
-        raise ValueError(f"{bad}: localsgd needs period=H (average the models every H steps)")
-    return HookSpec("localsgd", period=integer("period", 1, 1), start=integer("start", LOCALSGD_START, 0))
-
-
-def ddp_mode_overrides(spec: str | None) -> dict:
-    """bench compare's `ddp[:<spec>]` -> TrainConfig overrides: a comm hook (parse_ddp_hook), or `sparse[:fp16|bf16]`,
-    which is not a hook: DDP's default allreduce with nn.Embedding(sparse=True) tables (--sparse-embeddings), its
-    dense buckets optionally through the fp16 / bf16 hook."""
-    text = (spec or "").strip().lower()
-    head, _, hook = text.partition(":")
-    if head == "sparse":    # + fp16 / bf16 on the dense buckets (the sparse one goes through gloo's sparse allreduce)
-        if hook not in ("", "fp16", "bf16"):
-            raise ValueError(f"ddp:sparse takes fp16 or bf16 for its dense buckets, got {spec!r}")
-        return {"mode": "allreduce", "sparse_embeddings": True, **({"ddp_hook": hook} if hook else {})}
-    hook = str(parse_ddp_hook(spec or "none"))
-    return {"mode": "allreduce"} if hook == "none" else {"mode": "allreduce", "ddp_hook": hook}
 
 
 # ---- bytes each hook hands to allreduce ----------------------------------------------------------------

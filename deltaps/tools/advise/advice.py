@@ -2,6 +2,7 @@
 with its reasons (the product brief's decision table)."""
 from __future__ import annotations
 
+from deltaps.strategies import parse_mode_spec
 from deltaps.tools import costmodel as cm
 from deltaps.tools.advise.calibration import auto_chunk_bytes, calibration_for, job_for
 
@@ -9,14 +10,21 @@ COMM_SHARE_THRESHOLD = 0.30        # the product brief: communication > 30 % of 
 
 
 def _acc_risk(prof: dict, strategy: str, max_drop: float) -> tuple[str, float | None]:
-    if strategy in ("allreduce", "ps:none"):
+    name = str(parse_mode_spec(strategy))      # as merge_profiles names bench compare's modes
+    if name in ("allreduce", "ps:none"):
         return "none (exact)", 0.0
-    d = prof.get("accuracy_delta", {}).get(strategy)
+    d = prof.get("accuracy_delta", {}).get(name)
     if d is None:
         return "unmeasured", None
     if d >= -max_drop:
         return f"low ({d * 100:+.2f} pp measured)", d
     return f"HIGH ({d * 100:+.2f} pp measured)", d
+
+
+def _compressed(strategy: str) -> bool:
+    """A PS strategy that synchronizes every step through a lossy codec (ps:int8, not ps:none or ps-local..)."""
+    spec = parse_mode_spec(strategy)
+    return spec.family == "ps" and spec.local_steps is None and spec.codec != "none"
 
 
 def advise(prof: dict, gpus: list[int], bandwidth: str, strategies: list[str], steps: int, gpu_hour_usd: float,
@@ -35,7 +43,7 @@ def advise(prof: dict, gpus: list[int], bandwidth: str, strategies: list[str], s
         preds = {}
         for s in strategies:
             try:
-                if s.startswith("ps"):
+                if parse_mode_spec(s).family == "ps":
                     p = min((dict(cm.predict(cal, job_for(prof, g, n, chunk_bytes=c), s), chunk_bytes=c)
                              for c in chunks), key=lambda x: x["step_s"])
                 else:
@@ -59,7 +67,7 @@ def advise(prof: dict, gpus: list[int], bandwidth: str, strategies: list[str], s
 def recommend(preds: dict, max_acc_drop: float, engineer_usd: float, bandwidth: str, gpus: int,
               prof: dict) -> dict:
     ok = {s: p for s, p in preds.items() if "error" not in p}
-    base = ok.get("allreduce") or next(iter(ok.values()))
+    base = next((p for p in ok.values() if p["strategy"] == "allreduce"), None) or next(iter(ok.values()))
     safe = {s: p for s, p in ok.items() if p["accuracy_delta"] is None or p["accuracy_delta"] >= -max_acc_drop}
     best_s = min(safe, key=lambda s: safe[s]["step_s"])
     best = safe[best_s]
@@ -71,8 +79,9 @@ def recommend(preds: dict, max_acc_drop: float, engineer_usd: float, bandwidth: 
                    f"{base['step_s'] * 1e3:.1f} ms step communicating ({params / 1e6:.2f}M parameters)")
     saved = base["cost_usd"] - best["cost_usd"]
     speedup = base["step_s"] / best["step_s"] if best["step_s"] else 1.0
-    local = best_s.startswith("ps-local")
-    compress = local or (best_s.startswith("ps:") and best_s != "ps:none")
+    spec = parse_mode_spec(best_s)
+    local = spec.local_steps is not None
+    compress = local or _compressed(best_s)
     if share <= COMM_SHARE_THRESHOLD and not (compress and speedup > 1.05):
         decision = "pure data parallel"
         reasons.append(f"communication is below the {COMM_SHARE_THRESHOLD:.0%} threshold: compression cannot win "
@@ -82,9 +91,7 @@ def recommend(preds: dict, max_acc_drop: float, engineer_usd: float, bandwidth: 
         reasons.append(f"{best_s} communicates once every {best['local_steps']} steps: its accuracy must be measured "
                        "against the synchronous baseline before switching (bench compare --target-accuracy)")
     elif compress:
-        decision = "sparsification" if best_s.split(":")[1].startswith(("topk", "randk", "dgc")) else "gradient quantization"
-    elif best_s == "allreduce" or best_s == "ps:none":
-        decision = "pure data parallel"
+        decision = "sparsification" if spec.codec.startswith(("topk", "randk", "dgc")) else "gradient quantization"
     else:
         decision = "pure data parallel"
     if compress and speedup > 1.05 and saved > engineer_usd:
@@ -104,7 +111,7 @@ def recommend(preds: dict, max_acc_drop: float, engineer_usd: float, bandwidth: 
                        f"${engineer_usd:,.0f} engineering cost of adopting it: keep {base['strategy']}")
     else:
         rec = base["strategy"] if best["step_s"] >= base["step_s"] * 0.95 else best_s
-        over = [s for s in ok if s.startswith("ps:") and s != "ps:none"]
+        over = [s for s in ok if _compressed(s)]
         if over:
             s2 = min(over, key=lambda s: ok[s]["step_s"])
             reasons.append(f"compression overhead exceeds its savings: the best codec ({s2}) is predicted at "

@@ -7,6 +7,7 @@ import os
 import statistics
 import time
 
+from deltaps.strategies import parse_mode_spec, ps_codecs
 from deltaps.tools import costmodel as cm
 from deltaps.tools.advise.netprobes import probe_allreduce, probe_host_network, probe_network, probe_ps_host
 from deltaps.tools.advise.probes import probe_codecs, probe_compute, probe_cpu_kernels, probe_grpc
@@ -20,7 +21,7 @@ def calibrate(hidden: int, layers: int, batch_size: int, bandwidths: list[str], 
     """Run every probe; returns a profile (JSON-able)."""
     tensors = cm.mlp_tensors(hidden, layers)
     G = 4 * sum(n for _, n in tensors)
-    codecs = codecs or [s.split(":", 1)[1] for s in DEFAULT_STRATEGIES if s.startswith("ps:")]
+    codecs = codecs or ps_codecs(DEFAULT_STRATEGIES)
     specs = sorted({cm.canonical(c) for c in codecs} | {cm.pull_codec_for(c) for c in codecs})
     specs_push = sorted({cm.canonical(c) for c in codecs})
     t0 = time.perf_counter()
@@ -72,13 +73,14 @@ def merge_profiles(docs: list[dict]) -> dict:
                                      "tensors": cm.mlp_tensors(d["hidden"], d["layers"]),
                                      "params": d["model_params"], "grad_bytes": 4 * d["model_params"]})
             out.setdefault("host_cores", d.get("host_cores"))
-            for _spec, m in d["modes"].items():
+            for spec, m in d["modes"].items():
                 if "error" in m:
                     continue
-                name = "allreduce" if m["mode"] == "allreduce" else f"ps:{m['codec']}"
+                mode = parse_mode_spec(spec)
+                name = str(mode)       # the canonical name advise looks up: allreduce, ps:int8, ps-local8:int8, ...
                 if m.get("accuracy_delta_vs_allreduce") is not None:
                     out["accuracy_delta"][name] = m["accuracy_delta_vs_allreduce"]
-                if m["mode"] == "ps":
+                if mode.family == "ps":
                     out["measured_compression_ratio"][name] = m.get("compression_ratio")
             ar = d["modes"].get("allreduce", {})
             if "compute_s_per_step" in ar and not out["compute"]:   # fallback: measured under the run's contention

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from deltaps.strategies import ps_codecs, split_mode_specs
+from deltaps.tools import costmodel as cm
 from deltaps.tools.advise.advice import advise
 from deltaps.tools.advise.calibration import DEFAULT_STRATEGIES, calibrate, merge_profiles
 from deltaps.tools.advise.report import format_report, plot
@@ -28,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="PS key size at scale (default: the best predicted of 4 MiB, 1 MiB, 256 KiB and about "
                         "4 keys per shard)")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated strategies: allreduce, ps:<codec spec>, ps-local<H>[x<F>][o<tau>]:<codec spec> "
-                        "(local-update job: --local-steps H, F stream fragments, each exchange overlapping tau inner steps)")
+                   help=f"comma-separated strategies, mode specs as bench compare's --modes (deltaps/strategies.py) "
+                        f"that the cost model predicts: {cm.PREDICTED} (local-update job: --local-steps H, F stream "
+                        f"fragments, each exchange overlapping tau inner steps)")
     p.add_argument("--steps", type=int, default=100000, help="training steps to cost")
     p.add_argument("--gpu-hour-usd", type=float, default=2.5, help="price of one GPU-hour")
     p.add_argument("--egress-usd-per-gb", type=float, default=0.0, help="price of network egress per GB sent")
@@ -44,23 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="write a PNG of predicted step time vs GPUs per strategy")
 
 
-def _split_strategies(text: str) -> list[str]:
-    out: list[str] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "=" in part and ":" not in part and out:    # 'topk:ratio=0.01,chunk=..' continuation
-            out[-1] += "," + part
-        else:
-            out.append(part)
-    return out
-
-
 def main_args(args) -> int:
     if args.calibrate:
         bws = [b.strip() for b in (args.bandwidth or "1gbit").split(",") if b.strip()]
-        codecs = [s.split(":", 1)[1] for s in _split_strategies(args.strategies) if s.startswith("ps") and ":" in s]
+        codecs = ps_codecs(split_mode_specs(args.strategies))
         prof = calibrate(args.hidden, args.layers, args.batch_size, bws,
                          concurrency=[int(k) for k in args.concurrency.split(",")], codecs=codecs,
                          shards=args.shards or 2)
@@ -78,7 +68,7 @@ def main_args(args) -> int:
         raise ValueError("advise needs --profile PATH (or --calibrate to make one)")
     prof = merge_profiles([json.load(open(p)) for p in args.profile])
     rep = advise(prof, [int(g) for g in args.gpus.split(",")], args.bandwidth or "10gbit",
-                 _split_strategies(args.strategies), args.steps, args.gpu_hour_usd, args.egress_usd_per_gb,
+                 split_mode_specs(args.strategies), args.steps, args.gpu_hour_usd, args.egress_usd_per_gb,
                  args.shards, args.max_acc_drop / 100, args.engineer_usd, args.chunk_bytes)
     print(format_report(rep))
     if args.json:
@@ -88,7 +78,7 @@ def main_args(args) -> int:
     if args.plot:   # the curve at every power of two in range as well as at --gpus
         gs = sorted({int(g) for g in args.gpus.split(",")})
         dense = sorted(set(gs) | {1 << i for i in range(1, 20) if gs[0] <= 1 << i <= gs[-1]})
-        plot(advise(prof, dense, args.bandwidth or "10gbit", _split_strategies(args.strategies), args.steps,
+        plot(advise(prof, dense, args.bandwidth or "10gbit", split_mode_specs(args.strategies), args.steps,
                     args.gpu_hour_usd, args.egress_usd_per_gb, args.shards, args.max_acc_drop / 100,
                     args.engineer_usd, args.chunk_bytes), args.plot)
         print(f"wrote {args.plot}")

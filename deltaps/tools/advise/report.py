@@ -1,6 +1,8 @@
 """The advice as text (tables, the decision table, the recommendation's reasons) and as a plot."""
 from __future__ import annotations
 
+from deltaps.strategies import parse_mode_spec
+
 
 def _fmt_usd(x: float) -> str:
     return f"${x:,.0f}"
@@ -41,7 +43,7 @@ def _decision_table(row: dict) -> list[str]:
     ar = P.get("allreduce", {})
 
     def cell(names):
-        got = [(s, P[s]) for s in P if "error" not in P[s] and any(s.startswith(n) for n in names)]
+        got = [(s, P[s]) for s in P if "error" not in P[s] and str(parse_mode_spec(s)).startswith(tuple(names))]
         if not got:
             return "not evaluated"
         s, p = min(got, key=lambda x: x[1]["step_s"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from deltaps.strategies import ps_codecs, split_mode_specs
 from deltaps.tools import costmodel as cm
 from deltaps.tools.advise.calibration import calibrate, calibration_for, job_for, merge_profiles
 from deltaps.tools.advise.report import markdown_table
@@ -23,8 +24,8 @@ def validate(args) -> int:
     from deltaps.tools import bench_compare as bc
     workers = [int(w) for w in args.workers.split(",")]
     bws = [b.strip() for b in args.bandwidths.split(",")]
-    modes = [m.strip() for m in args.modes.split(",")]
-    codecs = [m.split(":", 1)[1] for m in modes if m.startswith("ps:")]
+    modes = split_mode_specs(args.modes)
+    codecs = ps_codecs(modes)
     os.makedirs(args.dir, exist_ok=True)
     fixed = [json.load(open(p)) for p in (args.profile or [])]
     rows, worst = [], 0.0

@@ -1,0 +1,193 @@
+"""Training-mode specs: the one grammar of `deltaps bench compare --modes`, `deltaps advise --strategies` and the
+cost model's strategies (deltaps/tools/costmodel.py), and of DDP comm-hook specs (`--ddp-hook`, `ddp:<hook>`).
+
+Mode specs (`parse_mode_spec`; the first colon separates the head from its argument):
+  ddp | allreduce                       fp32 DDP: torch's default averaging allreduce
+  ddp:<hook>                            DDP with one of torch's comm hooks (hook specs below)
+  ddp:sparse[:fp16|bf16]                DDP with nn.Embedding(sparse=True) tables (--sparse-embeddings, --workload
+                                        ctr), its dense buckets optionally through the fp16 / bf16 hook
+  ps[:<codec>] | ps-bsp[:<codec>]       synchronous PS, gradients through the codec (default none; the codec spec
+                                        is all that follows the first colon: ps:topk:ratio=0.01 -> topk:ratio=0.01)
+  ps-asp[:<codec>]                      asynchronous PS
+  ps-local<H>[x<F>][o<tau>][:<codec>]   PS local updates: --local-steps H, --stream-fragments F, --overlap-steps
+                                        tau (docs/local-updates.md), the deltas through the codec
+  hybrid[:fp16|bf16]                    embeddings row-sparse on the PS, the dense part allreduced (--workload
+                                        ctr), optionally through the fp16 / bf16 hook
+`ModeSpec.overrides()` gives the TrainConfig fields a spec sets; `str(ModeSpec)` its canonical spelling
+(fp32 DDP is `allreduce`, as the cost model and `deltaps advise` name it). In a comma-separated list
+(`split_mode_specs`) an item with `=` and no `:` continues the previous spec (ps:topk:ratio=0.01,chunk=4096).
+
+Hook specs (`parse_ddp_hook`; `:` or `,` separate the parameters):
+  none                          DDP's default: fp32 gradients, averaging allreduce
+  fp16 | bf16                   torch's fp16_compress_hook / bf16_compress_hook (half the bytes)
+  powersgd:rank=R[:start=S][:impl=auto|torch|deltaps]
+                                PowerSGD (vanilla allreduce before step S, default 10, at least 2: DDP rebuilds
+                                its buckets at step 1, and error feedback / warm start are kept per bucket)
+  localsgd:period=H[:start=S]   torch's post-local-SGD (gradient allreduce before step S, default 1)
+worker/trainers/ddp_hooks.py builds and runs the hooks. This module imports nothing of deltaps' packages.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["MODES", "FAMILIES", "MODE_FORMS", "HOOK_FORMS", "ModeSpec", "parse_mode_spec", "split_mode_specs",
+           "ps_codecs", "HookSpec", "parse_ddp_hook", "POWERSGD_START", "LOCALSGD_START"]
+
+MODES = ("ps", "allreduce", "hybrid", "pipeline")     # TrainConfig.mode: the bare training modes
+FAMILIES = ("ddp", "ps", "hybrid")                    # what a mode spec names (bench compare runs these)
+HALF_HOOKS = ("fp16", "bf16")                         # the hooks ddp:sparse's and hybrid's dense buckets take
+MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-asp:<codec>, "
+              "ps-local<H>[x<F>][o<tau>]:<codec> or hybrid[:fp16|bf16]")
+LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?")
+
+POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
+LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
+HOOK_FORMS = "none, fp16, bf16, powersgd:rank=R[:start=S][:impl=auto|torch|deltaps] or localsgd:period=H[:start=S]"
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    family: str                          # ddp | ps | hybrid
+    sync: str = "bsp"                    # ps: bsp | asp
+    codec: str = "none"                  # ps: the codec spec, as written (compression/)
+    local_steps: int | None = None       # ps-local<H>: inner steps per PS round (None: not a local-update mode)
+    stream_fragments: int = 1            # ps-local<H>x<F>
+    overlap_steps: int | None = None     # ps-local<H>o<tau> (None: TrainConfig's default, -1)
+    ddp_hook: str | None = None          # ddp / hybrid: the canonical hook spec (None: DDP's default allreduce)
+    sparse_embeddings: bool = False      # ddp:sparse
+    text: str = field(default="", compare=False)     # the spec as written
+
+    def overrides(self) -> dict:
+        """The TrainConfig fields this spec sets."""
+        hook = {"ddp_hook": self.ddp_hook} if self.ddp_hook else {}
+        if self.family == "ddp":
+            return {"mode": "allreduce", **({"sparse_embeddings": True} if self.sparse_embeddings else {}), **hook}
+        if self.family == "hybrid":
+            return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", **hook}
+        out = {"mode": "ps", "sync": self.sync, "codec": self.codec}
+        if self.local_steps is not None:
+            out.update(local_steps=self.local_steps, stream_fragments=self.stream_fragments,
+                       overlap_steps=-1 if self.overlap_steps is None else self.overlap_steps)
+        return out
+
+    def __str__(self) -> str:
+        hook = f":{self.ddp_hook}" if self.ddp_hook else ""
+        if self.family == "ddp":
+            return f"ddp:sparse{hook}" if self.sparse_embeddings else f"ddp{hook}" if hook else "allreduce"
+        if self.family == "hybrid":
+            return f"hybrid{hook}"
+        if self.local_steps is None:
+            return f"{'ps-asp' if self.sync == 'asp' else 'ps'}:{self.codec}"
+        fragments = f"x{self.stream_fragments}" if self.stream_fragments != 1 else ""
+        overlap = f"o{self.overlap_steps}" if self.overlap_steps is not None else ""
+        return f"ps-local{self.local_steps}{fragments}{overlap}:{self.codec}"
+
+
+def parse_mode_spec(text: str) -> ModeSpec:
+    """A mode spec (the grammar above) -> ModeSpec; ValueError naming the spec and the accepted forms."""
+    head, _, arg = text.strip().partition(":")
+    if head in ("ddp", "allreduce"):
+        try:
+            return ModeSpec("ddp", **_ddp_fields(arg), text=text)
+        except ValueError as e:
+            raise ValueError(f"mode {text!r}: {e}") from None
+    if head in ("ps", "ps-bsp", "ps-asp"):
+        return ModeSpec("ps", sync="asp" if head == "ps-asp" else "bsp", codec=arg or "none", text=text)
+    local = LOCAL_HEAD.fullmatch(head)
+    if local:
+        return ModeSpec("ps", codec=arg or "none", local_steps=int(local[1]), stream_fragments=int(local[2] or 1),
+                        overlap_steps=int(local[3]) if local[3] else None, text=text)
+    if head == "hybrid":
+        if arg not in ("", *HALF_HOOKS):
+            raise ValueError(f"mode {text!r}: hybrid takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
+        return ModeSpec("hybrid", ddp_hook=arg or None, text=text)
+    raise ValueError(f"unknown mode spec {text!r}; use {MODE_FORMS}")
+
+
+def _ddp_fields(arg: str) -> dict:
+    """`ddp:<arg>`: a comm hook, or `sparse[:fp16|bf16]` (not a hook: DDP's default allreduce with sparse
+    embedding gradients through gloo's sparse allreduce, its dense buckets optionally through fp16 / bf16)."""
+    first, _, hook = arg.strip().lower().partition(":")
+    if first == "sparse":
+        if hook not in ("", *HALF_HOOKS):
+            raise ValueError(f"ddp:sparse takes fp16 or bf16 for its dense buckets, got {arg!r}")
+        return {"sparse_embeddings": True, "ddp_hook": hook or None}
+    hook = str(parse_ddp_hook(arg or "none"))
+    return {"ddp_hook": None if hook == "none" else hook}
+
+
+def split_mode_specs(text: str) -> list[str]:
+    """'allreduce,ps:topk:ratio=0.01,chunk=4096,ps:int8' -> the specs, stripped, empty items dropped; an item
+    with '=' and no ':' continues the previous spec (a codec or hook parameter)."""
+    out: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" in part and ":" not in part and out:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+
+
+def ps_codecs(specs) -> list[str]:
+    """The codec specs the PS specs among `specs` use, each once, in order."""
+    parsed = (parse_mode_spec(s) for s in specs)
+    return list(dict.fromkeys(m.codec for m in parsed if m.family == "ps"))
+
+
+# ---- DDP comm-hook specs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HookSpec:
+    kind: str = "none"       # none | fp16 | bf16 | powersgd | localsgd
+    rank: int = 1            # powersgd: matrix approximation rank
+    start: int = 0           # powersgd: start_powerSGD_iter; localsgd: start_localSGD_iter
+    period: int = 0          # localsgd: average the models every `period` steps
+    impl: str = "auto"       # powersgd: auto | torch | deltaps
+
+    def __str__(self) -> str:
+        if self.kind == "powersgd":
+            return f"powersgd:rank={self.rank}:start={self.start}" + ("" if self.impl == "auto" else f":impl={self.impl}")
+        if self.kind == "localsgd":
+            return f"localsgd:period={self.period}:start={self.start}"
+        return self.kind
+
+
+def parse_ddp_hook(spec: str | None) -> HookSpec:
+    """'none' | 'fp16' | 'bf16' | 'powersgd:rank=R[:start=S][:impl=..]' | 'localsgd:period=H[:start=S]'."""
+    head, *rest = re.split(r"[:,]", (spec or "none").strip().lower())
+    head = {"": "none", "fp32": "none", "allreduce": "none"}.get(head, head)
+    bad = f"ddp hook {spec!r}"
+    allowed = {"powersgd": {"rank", "start", "impl"}, "localsgd": {"period", "start"}}.get(head)
+    if head == "sparse":
+        raise ValueError(f"{bad}: sparse is not a DDP comm hook; use --sparse-embeddings (bench compare's ddp:sparse)")
+    if head not in ("none", "fp16", "bf16", "powersgd", "localsgd"):
+        raise ValueError(f"unknown {bad}; use {HOOK_FORMS}")
+    params = {}
+    for item in filter(None, rest):
+        key, eq, value = item.partition("=")
+        if not eq or not allowed or key not in allowed:
+            raise ValueError(f"{bad}: unexpected parameter {item!r}; use {HOOK_FORMS}")
+        params[key] = value
+    if head in ("none", "fp16", "bf16"):
+        return HookSpec(head)
+
+    def integer(key, default, low):
+        try:
+            v = int(params.get(key, default))
+        except ValueError:
+            raise ValueError(f"{bad}: {key} must be an integer, got {params[key]!r}") from None
+        if v < low:
+            raise ValueError(f"{bad}: {key} must be >= {low}, got {v}")
+        return v
+    if head == "powersgd":
+        impl = params.get("impl", "auto")
+        if impl not in ("auto", "torch", "deltaps"):
+            raise ValueError(f"{bad}: impl must be auto, torch or deltaps, got {impl!r}")
+        # >= 2: DDP rebuilds its buckets at step 1, and error feedback / warm start are kept per bucket
+        return HookSpec("powersgd", rank=integer("rank", 1, 1), start=integer("start", POWERSGD_START, 2), impl=impl)
+    if "period" not in params:
+        raise ValueError(f"{bad}: localsgd needs period=H (average the models every H steps)")
+    return HookSpec("localsgd", period=integer("period", 1, 1), start=integer("start", LOCALSGD_START, 0))
