@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from deltaps.tools.socket_probes import stream_seconds
 from deltaps.units import parse_rate, parse_time_ms
 
 PREFIX = "dpsb"
@@ -236,40 +237,9 @@ class Topology:
                 f"addresses {self.subnet}.2-{self.nodes + 1}")
 
 
-SINK_SCRIPT = r"""
-import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); n, want = 0, int(sys.argv[3])
-while n < want:
-    b = c.recv(1 << 20)
-    if not b: break
-    n += len(b)
-c.sendall(b"k"); c.close()
-"""
-
-SOURCE_SCRIPT = r"""
-import socket, sys, time
-c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
-buf, want = b"\0" * (1 << 20), int(sys.argv[3]); t0 = time.perf_counter(); n = 0
-while n < want:
-    n += c.send(buf[: min(len(buf), want - n)])
-c.recv(1); print(time.perf_counter() - t0)
-"""
-
-
 def measure_throughput(topo: Topology, src: int, dst: int, nbytes: int = 8 << 20, port: int = 5201) -> float:
     """Bits per second of one TCP stream from node src to node dst (Python sockets, no iperf needed)."""
-    sink = subprocess.Popen(topo.exec_prefix(dst) + [sys.executable, "-c", SINK_SCRIPT, topo.addr(dst), str(port),
-                                                     str(nbytes)], stdout=subprocess.PIPE, text=True)
-    try:
-        if sink.stdout.readline().strip() != "ready":
-            raise RuntimeError("throughput sink did not start")
-        out = _run(topo.exec_prefix(src) + [sys.executable, "-c", SOURCE_SCRIPT, topo.addr(dst), str(port), str(nbytes)])
-        return nbytes * 8 / float(out.stdout.strip())
-    finally:
-        sink.kill()
-        sink.wait()
+    return nbytes * 8 / stream_seconds(topo, [(src, dst)], port, nbytes)[0]
 
 
 def install_signal_handlers() -> dict:

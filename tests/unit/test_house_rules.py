@@ -1,5 +1,6 @@
 """The house rules, checked from the source: import direction between packages, no import cycles between
-modules, no module over 450 lines, no private name imported across modules, `ruff check .` clean."""
+modules, no module over 450 lines, no private name imported across modules, no program in a string literal
+run with `python -c`, `ruff check .` clean."""
 from __future__ import annotations
 
 import ast
@@ -164,10 +165,44 @@ def test_private_names_stay_in_their_module():
     assert not bad, "\n".join(bad)
 
 
+# argv heads that run their next argument as a program: [sys.executable, "-c", "<source>"], ["bash", "-c", ...]
+SHELLS = {"sh", "bash"}
+
+
+def _runs_a_program_arg(node: ast.expr) -> bool:
+    if isinstance(node, ast.Attribute) and node.attr == "executable":        # sys.executable
+        return True
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        name = node.value.rsplit("/", 1)[-1]
+        return name.startswith("python") or name in SHELLS
+    return False
+
+
+def _programs_in_strings(tree: ast.AST) -> list[int]:
+    """Lines of argv lists/tuples that hand an interpreter `-c` and a program in a string."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, (ast.List, ast.Tuple))
+            and any(isinstance(arg, ast.Constant) and arg.value == "-c" and _runs_a_program_arg(head)
+                    for head, arg in zip(node.elts, node.elts[1:]))]
+
+
+def test_no_programs_in_string_literals():
+    """A program run in a child process is a module with main(argv), started as `python -m pkg.mod ARGS`
+    (deltaps/tools/socket_probes.py, deltaps/tools/torch_probes.py), never `python -c "<source>"`: so it is
+    imported, linted and tested like the rest of the code."""
+    bad = [f"{path.relative_to(ROOT)}:{line}" for path in SOURCES.values()
+           for line in _programs_in_strings(ast.parse(path.read_text()))]
+    assert not bad, "programs in string literals run with -c:\n" + "\n".join(bad)
+
+
 def test_the_checker_sees_a_cycle_and_a_wrong_direction():
     """The checks above can fail: a made-up graph with a cycle is caught."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _within("deltaps.tools.launch", "deltaps.tools") and not _within("deltaps.toolsx", "deltaps.tools")
+    inline = ast.parse('subprocess.run([sys.executable, "-c", PROGRAM, "127.0.0.1"])\n'
+                       'subprocess.run(prefix + ("/usr/bin/python3", "-c", "print(1)"))\n'
+                       'subprocess.run([sys.executable, "-m", "deltaps.tools.socket_probes", "sink"])\n'
+                       'subprocess.run(["tar", "-c", "-f", "out.tar"])\n')
+    assert _programs_in_strings(inline) == [1, 2]
 
 
 def test_ruff_is_clean():

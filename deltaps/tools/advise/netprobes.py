@@ -13,38 +13,9 @@ import tempfile
 import time
 
 from deltaps.tools import costmodel as cm
-from deltaps.tools.advise.probes import repo_env
+from deltaps.tools import socket_probes, torch_probes
+from deltaps.tools.children import checkout_env
 from deltaps.units import parse_rate
-
-_PING_SERVER = r"""
-import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-while True:
-    b = c.recv(64)
-    if not b: break
-    c.sendall(b)
-"""
-_PING_CLIENT = r"""
-import socket, sys, time
-c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-ts = []
-for i in range(int(sys.argv[3])):
-    t0 = time.perf_counter(); c.sendall(b"x" * 32); n = 0
-    while n < 32: n += len(c.recv(64))
-    ts.append(time.perf_counter() - t0)
-ts.sort(); print(ts[len(ts) // 2] / 2)
-"""
-
-
-def _spawn_ready(cmd) -> subprocess.Popen:
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    if p.stdout.readline().strip() != "ready":
-        p.kill()
-        raise RuntimeError("probe server did not start")
-    return p
 
 
 def probe_network(rate: str, streams=(1, 2, 4), prefix: str = "dpsa", nbytes: int | None = None) -> dict:
@@ -61,36 +32,13 @@ def probe_network(rate: str, streams=(1, 2, 4), prefix: str = "dpsa", nbytes: in
     res = {"rate": rate, "shaped": True, "bandwidth_by_streams": {}, "probe_bytes": want}
     with netns.Topology(nodes, rate=rate, prefix=prefix) as topo:
         time.sleep(0.2)
-        sv = _spawn_ready(topo.exec_prefix(1) + [sys.executable, "-c", _PING_SERVER, topo.addr(1), "5301"])
-        try:
-            out = subprocess.run(topo.exec_prefix(0) + [sys.executable, "-c", _PING_CLIENT, topo.addr(1), "5301", "300"],
-                                 capture_output=True, text=True, check=True).stdout
-            res["alpha_s"] = float(out.strip())
-        finally:
-            sv.kill()
-            sv.wait()
+        res["alpha_s"] = socket_probes.one_way_latency(topo, 0, 1, port=5301)
         for k in streams:
             pairs = [(0, 1)] if k == 1 else [(i, (i + 1) % k) for i in range(k)]
             port = 5400 + 10 * k
-            secs = _stream_seconds(topo, pairs, port, want)
+            secs = socket_probes.stream_seconds(topo, pairs, port, want)
             res["bandwidth_by_streams"][k] = statistics.median(want / s for s in secs)
     return res
-
-
-def _stream_seconds(topo, pairs, port: int, nbytes: int) -> list[float]:
-    """Seconds each (src, dst) namespace pair took to move nbytes over one TCP stream, all pairs at once."""
-    from deltaps.tools import netns
-    sinks = [_spawn_ready(topo.exec_prefix(d) + [sys.executable, "-c", netns.SINK_SCRIPT, topo.addr(d), str(port),
-                                                 str(nbytes)]) for _, d in pairs]
-    try:
-        srcs = [subprocess.Popen(topo.exec_prefix(s) + [sys.executable, "-c", netns.SOURCE_SCRIPT, topo.addr(d),
-                                                        str(port), str(nbytes)], stdout=subprocess.PIPE, text=True)
-                for s, d in pairs]
-        return [float(p.communicate(timeout=300)[0].strip()) for p in srcs]
-    finally:
-        for p in sinks:
-            p.kill()
-            p.wait()
 
 
 def probe_host_network(streams=(1, 2, 4), prefix: str = "dpsa", nbytes: int = 32 << 20) -> dict:
@@ -106,7 +54,7 @@ def probe_host_network(streams=(1, 2, 4), prefix: str = "dpsa", nbytes: int = 32
         for k in streams:
             pairs = [(0, 1)] if k == 1 else [(i, (i + 1) % k) for i in range(k)]
             port = 5600 + 10 * k
-            secs = _stream_seconds(topo, pairs, port, nbytes)
+            secs = socket_probes.stream_seconds(topo, pairs, port, nbytes)
             out[k] = k * nbytes / max(secs)
     return out
 
@@ -121,28 +69,6 @@ def _unshaped_topology(nodes: int, prefix: str):
         return
     with netns.Topology(nodes, rate=None, prefix=prefix) as topo:
         yield topo
-
-
-_ALLREDUCE_PROBE = r"""
-import json, os, statistics, sys, time
-import torch, torch.distributed as dist
-torch.set_num_threads(1)
-rank, world, addr, port, nbytes, bucket, n = sys.argv[1:8]
-rank, world, nbytes, bucket, n = int(rank), int(world), int(nbytes), int(bucket), int(n)
-dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
-flat = torch.randn(max(1, nbytes // 4))
-parts = flat.split(max(1, bucket // 4))     # DDP's buckets, reduced one after another
-ts = []
-for _ in range(n + 3):
-    dist.barrier()
-    t0 = time.perf_counter()
-    for b in parts:
-        dist.all_reduce(b)
-    ts.append(time.perf_counter() - t0)
-dist.destroy_process_group()
-if rank == 0:
-    print(json.dumps(statistics.median(ts[3:])))
-"""
 
 
 def probe_allreduce(grad_bytes: int, procs=(2, 4), prefix: str = "dpsa", bucket_bytes: int = 25 << 20,
@@ -160,9 +86,8 @@ def probe_allreduce(grad_bytes: int, procs=(2, 4), prefix: str = "dpsa", bucket_
                 port = str(29611 + i) if topo else str(free_port())
                 procs_ = []
                 for r in range(k):
-                    env = {**repo_env(), "GLOO_SOCKET_IFNAME": topo.ifname(r) if topo else "lo"}
-                    cmd = [sys.executable, "-c", _ALLREDUCE_PROBE, str(r), str(k), addr, port, str(grad_bytes),
-                           str(bucket_bytes), str(repeats)]
+                    env = {**checkout_env(), "GLOO_SOCKET_IFNAME": topo.ifname(r) if topo else "lo"}
+                    cmd = torch_probes.command("allreduce", r, k, addr, port, grad_bytes, bucket_bytes, repeats)
                     procs_.append(subprocess.Popen((topo.exec_prefix(r) if topo else []) + cmd, env=env,
                                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
                 outs = [p.communicate(timeout=300)[0] for p in procs_]
@@ -170,35 +95,6 @@ def probe_allreduce(grad_bytes: int, procs=(2, 4), prefix: str = "dpsa", bucket_
                     raise RuntimeError(f"allreduce probe with {k} processes failed (exit {procs_[0].returncode})")
                 out[k] = min(out.get(k, math.inf), float(outs[0].strip()))
     return out
-
-
-_PS_STEP_PROBE = r"""
-import json, statistics, sys, time
-import torch
-torch.set_num_threads(1)
-from deltaps.malloc import tune_malloc
-tune_malloc()
-from deltaps.config import TrainConfig
-from worker.optimizer import DistributedOptimizer
-from worker.trainers.base import local_optimizer
-addrs, rank, world, codec = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-tensors, n = json.loads(sys.argv[5]), int(sys.argv[6])
-torch.manual_seed(rank)
-named = [(name, torch.nn.Parameter(torch.zeros(numel))) for name, numel in tensors]
-grads = {name: torch.randn(numel) * 1e-3 for name, numel in tensors}
-opt = DistributedOptimizer(local_optimizer(TrainConfig(), [p for _, p in named]), named_parameters=named,
-                           servers=addrs, rank=rank, world_size=world, sync="bsp", codec=codec)
-ts = []
-for step in range(n + 5):
-    t0 = time.perf_counter()
-    for name, p in reversed(named):          # handed over in backward's order, as the hooks do
-        p.grad = grads[name]
-        opt.grad_ready(name, p.grad)
-    opt.step()
-    ts.append(time.perf_counter() - t0)
-opt.close()
-print(json.dumps(statistics.median(ts[5:])))
-"""
 
 
 def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = "dpsa", steps: int = 30,
@@ -221,15 +117,14 @@ def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = 
                     srvs = [subprocess.Popen(run[i] + [
                                 sys.executable, "-m", "deltaps", "server", "--host", host[i], "--port", "0", "--shard-id",
                                 str(i), "--num-shards", str(shards), "--port-file", os.path.join(tmp, f"p{i}")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=repo_env()) for i in range(shards)]
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=checkout_env()) for i in range(shards)]
                     clients = []
                     try:
                         addrs = ",".join(f"{host[i]}:{wait_port_file(os.path.join(tmp, f'p{i}'), s)}"
                                          for i, s in enumerate(srvs))
-                        clients = [subprocess.Popen(run[shards + r] + [
-                                       sys.executable, "-c", _PS_STEP_PROBE, addrs, str(r), str(k), codec, spec,
-                                       str(steps)],
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=repo_env())
+                        clients = [subprocess.Popen(
+                                       run[shards + r] + torch_probes.command("ps-step", addrs, r, k, codec, spec, steps),
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=checkout_env())
                                    for r in range(k)]
                         outs = [c.communicate(timeout=300)[0] for c in clients]
                         if any(c.returncode for c in clients):

@@ -12,42 +12,16 @@ import tempfile
 import time
 
 from deltaps.tools import costmodel as cm
-
-_COMPUTE_PROBE = r"""
-import json, sys, time
-import torch, torch.nn.functional as F
-torch.set_num_threads(1)
-from worker.workloads.mlp import make_mlp
-hidden, layers, batch, steps, start = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-m = make_mlp(64, hidden, layers, 10, 0)
-opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-x, y = torch.randn(batch, 64), torch.randint(0, 10, (batch,))
-for _ in range(3):
-    F.cross_entropy(m(x), y).backward(); opt.step(); opt.zero_grad()
-while time.time() < start:
-    time.sleep(0.001)
-fb, bw, op = [], [], []
-for _ in range(steps):
-    t0 = time.perf_counter(); loss = F.cross_entropy(m(x), y); opt.zero_grad(); t1 = time.perf_counter()
-    loss.backward(); t2 = time.perf_counter(); opt.step(); t3 = time.perf_counter()
-    fb.append(t2 - t0); bw.append(t2 - t1); op.append(t3 - t2)
-med = lambda a: sorted(a)[len(a) // 2]
-print(json.dumps({"fwd_bwd_s": med(fb), "bwd_s": med(bw), "optimizer_s": med(op)}))
-"""
-
-
-def repo_env() -> dict:
-    """The environment for probe subprocesses: this checkout first on PYTHONPATH."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+from deltaps.tools import torch_probes
+from deltaps.tools.children import checkout_env
 
 
 def probe_compute(hidden: int, layers: int, batch: int, concurrency: int, steps: int = 40) -> dict:
     """Forward+backward and local-optimizer time per step with `concurrency` processes doing it at once
     (medians over processes of each process's median)."""
     start = time.time() + 2.0 + 0.3 * concurrency
-    procs = [subprocess.Popen([sys.executable, "-c", _COMPUTE_PROBE, str(hidden), str(layers), str(batch), str(steps),
-                               str(start)], stdout=subprocess.PIPE, text=True, env=repo_env())
+    procs = [subprocess.Popen(torch_probes.command("compute", hidden, layers, batch, steps, start),
+                              stdout=subprocess.PIPE, text=True, env=checkout_env())
              for _ in range(concurrency)]
     outs = []
     for p in procs:
@@ -97,30 +71,6 @@ def probe_codecs(grad_bytes: int, specs: list[str], repeats: int = 15) -> dict:
                 "ratio": r["compression_ratio"]} for s, r in res["codecs"].items()}
 
 
-_PS_CYCLE_PROBE = r"""
-import json, statistics, sys, time
-import torch
-torch.set_num_threads(1)
-from deltaps.malloc import tune_malloc
-tune_malloc()                      # as `deltaps worker` runs (without it 4 MiB messages page-fault in anew)
-from deltaps.optimizer_config import OptimizerConfig
-from worker.client import PSClient
-addr, codec, numel, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-c = PSClient([addr], 0, 1, sync="bsp", optimizer=OptimizerConfig("sgd", lr=1e-6), timeout_s=60.0, codec=codec)
-t = torch.randn(numel) if codec != "none" else torch.zeros(numel)
-c.setup([("p", t)])
-out = {"p": torch.empty(numel)}
-c.pull(["p"], out=out, delta=True)
-keys, times = c.by_param["p"], []
-for step in range(n + 5):
-    t0 = time.perf_counter()
-    c.push_pull_keys(0, keys, {"p": t}, step, step + 1, out)   # the training path: one PushPull per step
-    times.append(time.perf_counter() - t0)
-c.close()
-print(json.dumps(statistics.median(times[5:])))
-"""
-
-
 def ps_cycle_time(numel: int, codec: str = "none", n: int = 60) -> float:
     """Median PushPull cycle (push, delta pull) of a worker process with one tensor of numel floats
     against one real `deltaps server` on loopback (world size 1)."""
@@ -129,12 +79,12 @@ def ps_cycle_time(numel: int, codec: str = "none", n: int = 60) -> float:
         pf = os.path.join(tmp, "port")
         srv = subprocess.Popen([sys.executable, "-m", "deltaps", "server", "--host", "127.0.0.1", "--port", "0",
                                 "--shard-id", "0", "--num-shards", "1", "--port-file", pf],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=repo_env())
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=checkout_env())
         client = None
         try:
             addr = f"127.0.0.1:{wait_port_file(pf, srv)}"
-            client = subprocess.Popen([sys.executable, "-c", _PS_CYCLE_PROBE, addr, codec, str(numel), str(n)],
-                                      stdout=subprocess.PIPE, text=True, env=repo_env())
+            client = subprocess.Popen(torch_probes.command("ps-cycle", addr, codec, numel, n),
+                                      stdout=subprocess.PIPE, text=True, env=checkout_env())
             out = client.communicate(timeout=300)[0]
             if client.returncode:
                 raise RuntimeError(f"PushPull cycle probe ({codec}) failed")

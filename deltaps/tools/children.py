@@ -1,0 +1,31 @@
+"""How the tools start the Python programs they time in child processes: `python -m <module> <program> <args>`
+with this interpreter and this checkout first on PYTHONPATH, so the child imports the same code as its parent
+whatever its cwd (children may run under `ip netns exec` from anywhere)."""
+from __future__ import annotations
+
+import os
+import sys
+
+# deltaps/tools/children.py -> the checkout holding deltaps/, ps/, worker/
+CHECKOUT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def checkout_env() -> dict:
+    """The environment for child programs: this checkout first on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": CHECKOUT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def module_command(module: str, program: str, *args) -> list[str]:
+    """argv running `program` of the module's main(argv) in a fresh interpreter (args as strings)."""
+    return [sys.executable, "-m", module, program, *(str(a) for a in args)]
+
+
+def run_program(programs: dict, argv: list[str], module: str) -> int:
+    """Dispatch `PROGRAM ARGS...` to one entry of a {name: (argument names, run)} table."""
+    if not argv or argv[0] not in programs or len(argv) - 1 != len(programs[argv[0]][0]):
+        usage = "\n".join(f"  python -m {module} {name} {' '.join(a.upper() for a in names)}"
+                          for name, (names, _) in programs.items())
+        print(f"usage:\n{usage}", file=sys.stderr)
+        return 2
+    programs[argv[0]][1](*argv[1:])
+    return 0
