@@ -144,25 +144,11 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
+        """The config's own rules. The rules of a mode and of what it trains live in their registries
+        (worker.trainers.strategy.check_job)."""
         from deltaps.sync import parse_sync
         parse_sync(self.sync)
-        if self.mode not in ("ps", "allreduce", "hybrid", "pipeline"):
-            raise ValueError(f"unknown mode {self.mode!r}; use ps, allreduce, hybrid or pipeline")
-        if self.mode == "pipeline":
-            self._validate_pipeline()
-        if self.workload not in ("mlp", "clf", "ctr"):
-            raise ValueError(f"unknown workload {self.workload!r}; use mlp, clf or ctr")
         self._validate_eval()
-        if self.mode == "hybrid" and self.workload != "ctr":
-            raise ValueError("--mode hybrid needs a model with embeddings: use --workload ctr")
-        if self.sparse_embeddings and (self.mode != "allreduce" or self.workload != "ctr"):
-            raise ValueError(f"--sparse-embeddings (ddp:sparse) needs --mode allreduce --workload ctr (a model with an "
-                             f"embedding table), not --mode {self.mode} --workload {self.workload}")
-        if self.embedding_optimizer not in ("sgd", "adagrad", "adam"):
-            raise ValueError(f"unknown embedding optimizer {self.embedding_optimizer!r}; use sgd, adagrad or adam")
-        for name in ("embedding_rows", "embedding_dim", "embedding_fields"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
         for name in ("servers", "workers", "steps", "batch_size", "hidden", "layers", "chunk_bytes"):
@@ -171,12 +157,6 @@ class TrainConfig:
         lo, hi = self.min_workers or 1, self.max_workers or self.workers
         if not 1 <= lo <= self.workers <= hi:
             raise ValueError(f"want 1 <= --min-workers {lo} <= --workers {self.workers} <= --max-workers {hi}")
-        hook = (self.ddp_hook or "none").split(":")[0]        # its syntax: worker/trainers/ddp_hooks.py
-        if hook != "none" and self.mode not in ("allreduce", "hybrid"):
-            raise ValueError(f"--ddp-hook {self.ddp_hook} applies to --mode allreduce / hybrid, not {self.mode}")
-        if hook not in ("none", "fp16", "bf16") and (self.mode == "hybrid" or self.workload == "ctr"):
-            raise ValueError(f"--ddp-hook {self.ddp_hook}: the click-through model's dense buckets take fp16 or bf16 "
-                             f"(the embedding rows go their own way)")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
         self._validate_local_updates()
@@ -191,9 +171,6 @@ class TrainConfig:
         if self.local_steps < 0 or self.stream_fragments < 1:
             raise ValueError(f"want --local-steps >= 0 and --stream-fragments >= 1, got {self.local_steps} and "
                              f"{self.stream_fragments}")
-        if self.local_steps and self.mode != "ps":
-            raise ValueError(f"--local-steps applies to --mode ps only, not {self.mode} (DDP's local SGD: "
-                             f"--ddp-hook localsgd:period=H)")
         if self.stream_fragments > 1 and not self.local_steps:
             raise ValueError("--stream-fragments needs --local-steps > 0")
         from deltaps.optimizer_config import outer_optimizer_config, overlap_steps
@@ -207,35 +184,9 @@ class TrainConfig:
         if self.eval_every < 0 or not 0.0 <= self.target_accuracy <= 1.0 or not 0.0 <= self.target_auc <= 1.0:
             raise ValueError(f"want --eval-every >= 0 and targets in [0, 1], got --eval-every {self.eval_every}, "
                              f"--target-accuracy {self.target_accuracy}, --target-auc {self.target_auc}")
-        ctr = self.workload == "ctr"
-        if self.eval_every and self.mode not in (("allreduce", "hybrid") if ctr else ("ps", "allreduce")):
-            raise ValueError(f"--eval-every applies to --mode {'allreduce / hybrid' if ctr else 'ps / allreduce'} "
-                             f"with --workload {self.workload}, not --mode {self.mode}")
-        if self.target_accuracy if ctr else self.target_auc:
-            raise ValueError(f"--workload {self.workload} races to a test "
-                             f"{'AUC: use --target-auc' if ctr else 'accuracy: use --target-accuracy'}")
-        target, flag = self.target_auc or self.target_accuracy, "--target-auc" if ctr else "--target-accuracy"
-        if target and not self.eval_every:
-            raise ValueError(f"{flag} needs --eval-every N (the evaluations that can reach it)")
-        if target and self.mode in ("ps", "hybrid") and self.sync != "bsp":
-            raise ValueError(f"{flag} needs --sync bsp in --mode {self.mode}: under {self.sync} every worker holds a "
-                             f"different model, so the ranks could not agree on when to stop without talking; "
-                             f"--eval-every alone still records each rank's evaluations")
-
-    def _validate_pipeline(self) -> None:
-        if self.workload != "mlp":
-            raise ValueError("--mode pipeline runs the digits MLP: use --workload mlp")
-        if self.sync != "bsp":
-            raise ValueError(f"--mode pipeline supports --sync bsp only, not {self.sync}")
-        if self.pipeline_schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"unknown pipeline schedule {self.pipeline_schedule!r}; use gpipe or 1f1b")
-        if not 1 <= self.pipeline_stages <= self.layers + 1:
-            raise ValueError(f"--pipeline-stages must be in [1, layers + 1 = {self.layers + 1}], "
-                             f"got {self.pipeline_stages}")
-        if self.workers % self.pipeline_stages:
-            raise ValueError(f"--workers {self.workers} must be a multiple of --pipeline-stages {self.pipeline_stages}")
-        if self.microbatches < 1 or self.batch_size % self.microbatches:
-            raise ValueError(f"--microbatches {self.microbatches} must be >= 1 and divide --batch-size {self.batch_size}")
+        for flag, target in (("--target-accuracy", self.target_accuracy), ("--target-auc", self.target_auc)):
+            if target and not self.eval_every:
+                raise ValueError(f"{flag} needs --eval-every N (the evaluations that can reach it)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

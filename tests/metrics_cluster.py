@@ -56,11 +56,13 @@ class MetricsCluster:
         return [f"127.0.0.1:{p}" for p in self.server_metrics_ports + self.worker_metrics_ports]
 
     def start_training(self) -> None:
-        from worker.trainers.ps import train_ps
+        from worker.trainers.context import RunContext
+        from worker.trainers.loop import train
 
         def run(r):
             try:
-                self.results[r] = train_ps(self.cfg, self.addrs, r, self.cfg.workers, metrics=self.worker_metrics[r])
+                ctx = RunContext(r, self.cfg.workers, servers=self.addrs, metrics=self.worker_metrics[r])
+                self.results[r] = train(self.cfg, ctx)
             except BaseException as e:  # noqa: BLE001
                 self.errors.append(e)
         self.threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(self.cfg.workers)]

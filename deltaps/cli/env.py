@@ -56,7 +56,7 @@ def resolve_server_env(args) -> None:
 def resolve_worker_env(args) -> None:
     """--servers: $DELTAPS_SERVERS, else --servers-pattern / $DELTAPS_SERVERS_PATTERN expanded for i in
     0..num_shards-1 (--num-shards / $DELTAPS_NUM_SHARDS); --rank: $RANK, else $JOB_COMPLETION_INDEX;
-    --world-size: $WORLD_SIZE."""
+    --world-size: $WORLD_SIZE; --master-addr / --master-port: $MASTER_ADDR / $MASTER_PORT, else 127.0.0.1:29500."""
     if not args.servers and os.environ.get("DELTAPS_SERVERS", "").strip():
         try:
             args.servers = server_list(os.environ["DELTAPS_SERVERS"])
@@ -77,3 +77,7 @@ def resolve_worker_env(args) -> None:
         args.rank = _env_int("RANK", "JOB_COMPLETION_INDEX")
     if args.world_size is None:
         args.world_size = _env_int("WORLD_SIZE")
+    # torch.distributed's rendezvous (torchrun's variables), for the strategies that run a process group
+    args.master_addr = args.master_addr or os.environ.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    if args.master_port is None:
+        args.master_port = _env_int("MASTER_PORT") or 29500

@@ -21,8 +21,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from deltaps.tools.launch import launch, print_summary
-
+    from worker.trainers.strategy import check_job
     cfg = config_from_args(args)
+    check_job(cfg)       # the mode's and the workload's rules, before any process starts
 
     from deltaps.security import LaunchSecurity
     summary = launch(cfg, args.json, metrics=args.metrics, security=LaunchSecurity.from_args(args),

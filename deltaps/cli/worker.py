@@ -1,4 +1,4 @@
-"""`deltaps worker`: run one training worker (ps, allreduce, hybrid or pipeline mode)."""
+"""`deltaps worker`: run one training worker of any mode (worker/trainers/loop.py: the one loop)."""
 from __future__ import annotations
 
 import json
@@ -31,57 +31,52 @@ def add_parser(sub) -> None:
     add_train_args(w, exclude=WORKER_EXCLUDED)
 
 
+def worker_context(args, cfg):
+    """The RunContext of this worker: flags and environment resolved, security and metrics built."""
+    from deltaps.security import Security
+    from worker.trainers.context import RunContext
+    resolve_worker_env(args)
+    metrics = None
+    if args.metrics_port is not None:
+        from deltaps.exporter import maybe_start_exporter
+        from worker.metrics import WorkerMetrics
+        metrics = WorkerMetrics(args.rank, codec=cfg.codec)
+        maybe_start_exporter(args, metrics.registry, f"deltaps worker rank={args.rank}")
+    return RunContext(rank=args.rank, world_size=args.world_size, servers=args.servers or [],
+                      master_addr=args.master_addr, master_port=args.master_port, backend=args.backend,
+                      bucket_cap_mb=args.bucket_cap_mb, security=Security.from_args(args, "client"), metrics=metrics)
+
+
 def run(args) -> int:
-    from worker.trainers.ps import train_ps
+    from deltaps.errors import PSError
+    from worker.trainers.loop import train
+    from worker.trainers.strategy import WorkerStopped
 
     cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
-    resolve_worker_env(args)
-    if cfg.mode == "pipeline":   # pipeline stages x data-parallel replicas through the PS (worker/trainers/pipeline.py)
-        from deltaps.security import Security
-        from worker.trainers.pipeline import run_worker as run_pipeline_worker
-        result = run_pipeline_worker(cfg, args, security=Security.from_args(args, "client"))
-    elif cfg.mode == "hybrid" or cfg.workload == "ctr":   # embedding workload / hybrid (worker/trainers/hybrid.py)
-        from deltaps.security import Security
-        from worker.trainers.hybrid import run_worker
-        result = run_worker(cfg, args, security=Security.from_args(args, "client"))
-    elif cfg.mode == "allreduce":   # DDP baseline; flags absent -> torchrun's RANK/WORLD_SIZE/MASTER_*
-        from worker.trainers.allreduce import train_allreduce
-        from worker.trainers.collective import env_rendezvous
-        rank, world, addr, port = env_rendezvous(args.rank, args.world_size, args.master_addr, args.master_port)
-        args.rank = rank
-        result = train_allreduce(cfg, rank, world, addr, port, backend=args.backend,
-                                 bucket_cap_mb=args.bucket_cap_mb)
-    elif not args.servers or args.rank is None or args.world_size is None:
-        raise ValueError("mode ps needs --servers (or $DELTAPS_SERVERS, --servers-pattern), --rank (or $RANK, "
-                         "$JOB_COMPLETION_INDEX) and --world-size (or $WORLD_SIZE)")
-    else:
-        metrics = None
-        if args.metrics_port is not None:
-            from deltaps.exporter import maybe_start_exporter
-            from worker.metrics import WorkerMetrics
-            metrics = WorkerMetrics(args.rank, codec=cfg.codec)
-            maybe_start_exporter(args, metrics.registry, f"deltaps worker rank={args.rank}")
-        from deltaps.errors import PSError
-        from deltaps.security import Security
-        from worker.trainers.ps import WorkerStopped
-        try:
-            result = train_ps(cfg, args.servers, args.rank, args.world_size, metrics=metrics,
-                              security=Security.from_args(args, "client"))
-        except WorkerStopped as e:
-            print(f"deltaps worker: {e}", file=sys.stderr)
-            return 128 + 15
-        except PSError as e:     # e.g. a shard unreachable past --reconnect-deadline-s: a clean error, no hang
-            print(f"deltaps worker {args.rank}: error: {e}", file=sys.stderr)
-            return 1
-    if args.result_json:
-        with open(args.result_json, "w") as f:
+    ctx = worker_context(args, cfg)
+    try:
+        result = train(cfg, ctx)
+    except WorkerStopped as e:
+        print(f"deltaps worker: {e}", file=sys.stderr)
+        return 128 + 15
+    except PSError as e:     # e.g. a shard unreachable past --reconnect-deadline-s: a clean error, no hang
+        print(f"deltaps worker {ctx.rank}: error: {e}", file=sys.stderr)
+        return 1
+    _write_result(args.result_json, ctx.rank, result)
+    _exit_now()
+
+
+def _write_result(path: str | None, rank: int, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f)
-    print(f"worker {args.rank}: final test accuracy {result['final_test_accuracy']:.4f}", file=sys.stderr)
-    if cfg.mode in ("allreduce", "hybrid", "pipeline"):
-        # The process group is destroyed and the result written. Skip interpreter finalisation: gloo's
-        # C++ threads can still hold tensors then and abort the process ("terminate called without an
-        # active exception", seen intermittently at exit in tests/cluster/test_bench_compare.py).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    print(f"worker {rank}: final test accuracy {result['final_test_accuracy']:.4f}", file=sys.stderr)
+
+
+def _exit_now() -> None:
+    """The channels are closed, the process group destroyed and the result written. Skip interpreter
+    finalisation: gloo's C++ threads can still hold tensors then and abort the process ("terminate called
+    without an active exception", seen intermittently at exit in tests/cluster/test_bench_compare.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -27,10 +27,10 @@ import time
 
 import yaml
 
-from deltaps.config import load_config
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_report, netns
 from deltaps.tools.launch import free_port, stop_processes, summarize, tail_file, wait_port_file, wait_workers
+from worker.trainers.strategy import load_job
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
 
 IN_FEATURES, CLASSES = 64, 10
@@ -130,7 +130,7 @@ class _Net:
 
 def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
     over = {**base, **parse_mode(spec)}
-    cfg = load_config(None, over)
+    cfg = load_job(None, over)
     d = os.path.join(tmp, spec.replace(":", "_").replace("=", "-").replace("/", "_"))
     os.makedirs(d, exist_ok=True)
     cfg_path = os.path.join(d, "config.yaml")
@@ -279,7 +279,7 @@ def compare(args) -> dict:
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
             "fallback_factor": 0.0}
     for s in specs:   # fail fast on a bad spec, before any namespace exists
-        load_config(None, {**base, **parse_mode(s)})
+        load_job(None, {**base, **parse_mode(s)})
     report = {"workers": args.workers, "servers": args.servers, "bandwidth": args.bandwidth,
               "latency": args.latency, "shaped": False, "steps": args.steps, "batch_size": args.batch_size,
               "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "hidden": hidden, "layers": args.layers,

@@ -3,12 +3,16 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from deltaps.config import load_config
+from deltaps.cli.env import resolve_worker_env
 from deltaps.tools.launch import free_port, launch
-from worker.trainers.collective import env_rendezvous, ring_bytes
+from worker.trainers.allreduce import Allreduce
+from worker.trainers.collective import ring_bytes
+from worker.trainers.context import RunContext
+from worker.trainers.strategy import load_job as load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,11 +28,19 @@ def test_env_rendezvous_reads_torchrun_vars(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1234")
-    assert env_rendezvous(None, None, None, None) == (3, 4, "10.0.0.1", 1234)
-    assert env_rendezvous(0, 2, "127.0.0.1", 99) == (0, 2, "127.0.0.1", 99)    # flags win
+    assert _rendezvous(None, None, None, None) == (3, 4, "10.0.0.1", 1234)
+    assert _rendezvous(0, 2, "127.0.0.1", 99) == (0, 2, "127.0.0.1", 99)    # flags win
     monkeypatch.delenv("RANK")
-    with pytest.raises(ValueError):
-        env_rendezvous(None, None, None, None)
+    with pytest.raises(ValueError, match="needs --rank"):      # no rank anywhere: a clear error
+        Allreduce.check_context(RunContext(*_rendezvous(None, None, None, None)[:2]))
+
+
+def _rendezvous(rank, world_size, addr, port):
+    """What `deltaps worker` resolves from flags, else torchrun's variables."""
+    args = SimpleNamespace(servers=None, servers_pattern=None, num_shards=None, rank=rank, world_size=world_size,
+                           master_addr=addr, master_port=port)
+    resolve_worker_env(args)
+    return args.rank, args.world_size, args.master_addr, args.master_port
 
 
 def test_config_accepts_allreduce_mode():

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from deltaps.cli import main as cli_main
-from deltaps.config import load_config
 from deltaps.tools.launch import free_port, launch
 from worker.trainers.collective import ring_bytes
 from worker.trainers.ddp_hooks import parse_ddp_hook
+from worker.trainers.strategy import load_job as load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, HIDDEN = 8, 64

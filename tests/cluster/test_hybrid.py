@@ -1,9 +1,9 @@
 """--mode hybrid end to end (real processes): embeddings row-sparse on the PS, the MLP allreduced (gloo)."""
 import pytest
 
-from deltaps.config import load_config
 from deltaps.tools.bench_compare import parse_mode
 from deltaps.tools.launch import launch
+from worker.trainers.strategy import load_job as load_config
 
 SMALL = dict(workload="ctr", workers=2, servers=2, steps=8, batch_size=128, embedding_rows=20_000,
              embedding_dim=16, hidden=64, progress=False, timeout_s=60.0)

@@ -7,14 +7,33 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from deltaps.config import load_config
 from deltaps.tools.launch import launch
-from worker.trainers.pipeline import grid, reference_sgd, split_stages
-from worker.workloads.mlp import make_mlp
+from worker.trainers.pipeline import grid, split_stages
+from worker.trainers.strategy import load_job as load_config
+from worker.workloads.digits import load_digits_split
+from worker.workloads.mlp import make_mlp, worker_batches
 
 SGD = dict(mode="pipeline", servers=2, steps=6, batch_size=32, microbatches=4, optimizer="sgd", momentum=0.0,
            lr=0.1, hidden=64, layers=2, progress=False, timeout_s=30.0)
+
+
+def reference_sgd(cfg, replicas: int) -> dict[str, torch.Tensor]:
+    """The oracle: plain SGD in one process on the same micro-batch sequence: per step, the gradient is the mean
+    over the `replicas` x M micro-batches of each micro-batch's mean loss. Returns make_mlp's state_dict."""
+    x_tr, y_tr, _, _ = load_digits_split(cfg.seed)
+    model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    its = [worker_batches(x_tr, y_tr, d, replicas, cfg.batch_size, cfg.seed) for d in range(replicas)]
+    for _ in range(cfg.steps):
+        opt.zero_grad()
+        for it in its:
+            xb, yb = next(it)
+            for xm, ym in zip(xb.tensor_split(cfg.microbatches), yb.tensor_split(cfg.microbatches)):
+                (F.cross_entropy(model(xm), ym) / (replicas * cfg.microbatches)).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.slow
@@ -77,6 +96,6 @@ def test_pipeline_config_validation():
     assert ok.pipeline_schedule == "gpipe"
     for bad, msg in [({"workers": 3}, "multiple of --pipeline-stages"), ({"microbatches": 5}, "divide --batch-size"),
                      ({"pipeline_schedule": "zb"}, "unknown pipeline schedule"), ({"pipeline_stages": 4}, "layers"),
-                     ({"sync": "asp"}, "bsp only"), ({"workload": "ctr"}, "workload mlp")]:
+                     ({"sync": "asp"}, "bsp only"), ({"workload": "ctr"}, "a workload with an MLP")]:
         with pytest.raises(ValueError, match=msg):
             load_config(None, {"mode": "pipeline", "workers": 4, "pipeline_stages": 2, **bad})

@@ -3,16 +3,16 @@ nn.Embedding(sparse=True), the table's sparse gradient reduced by DDP over gloo,
 the dense-gradient DDP run. With SGD and with Adagrad a zero-gradient row is left unchanged by the dense step,
 so sparse and dense gradients give the same parameters (up to float summation order).
 
-Two gloo ranks (spawned processes) run train_ctr_allreduce four times: {sgd, adagrad} x {dense, sparse}."""
+Two gloo ranks (spawned processes) run the allreduce strategy four times: {sgd, adagrad} x {dense, sparse}."""
 import multiprocessing
 import os
 
 import pytest
 import torch
 
-from deltaps.config import load_config
 from deltaps.tools.bench_compare import format_table_ctr, parse_mode
 from deltaps.tools.launch import free_port
+from worker.trainers.strategy import load_job as load_config
 from worker.workloads.ctr import CTRModel, table_spec
 
 WORLD, STEPS = 2, 4
@@ -24,11 +24,12 @@ RUNS = [(opt, sparse) for opt in ("sgd", "adagrad") for sparse in (False, True)]
 
 def _rank(rank: int, ports: list[int], tmp: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    from worker.trainers.hybrid import train_ctr_allreduce
+    from worker.trainers.context import RunContext
+    from worker.trainers.loop import train
     for (opt, sparse), port in zip(RUNS, ports):
         cfg = load_config(None, {**SMALL, "embedding_optimizer": opt, "embedding_lr": 0.5, "sparse_embeddings": sparse,
                                  "save_model": os.path.join(tmp, f"{opt}-{sparse}.pt")})
-        res = train_ctr_allreduce(cfg, rank, WORLD, "127.0.0.1", port)   # barrier before destroy inside
+        res = train(cfg, RunContext(rank, WORLD, master_port=port))   # barrier before destroy inside
         torch.save(res, os.path.join(tmp, f"{opt}-{sparse}-rank{rank}.res"))
 
 

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltaps.config import load_config
 from deltaps.strategies import (
     MODE_FORMS,
     MODES,
@@ -21,6 +20,7 @@ from deltaps.strategies import (
 )
 from deltaps.tools import costmodel as cm
 from deltaps.tools.bench_compare import parse_mode
+from worker.trainers.strategy import load_job as load_config
 
 EXPECTED = {   # what bench compare's parse_mode returned before the grammar moved, key order included
     "ddp": {"mode": "allreduce"},

@@ -7,19 +7,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deltaps.config import TrainConfig, load_config
+from deltaps.config import TrainConfig
 from deltaps.tools import bench_report as br
 from worker.trainers import base
-from worker.workloads import MLP_WORKLOADS, load_split
+from worker.trainers.strategy import load_job as load_config
+from worker.workloads import workload_class
 from worker.workloads.clf import CLASSES, FEATURES, TEST, TRAIN
-from worker.workloads.digits import worker_batches
+from worker.workloads.mlp import worker_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- the workload -------------------------------------------------------------------------------------
 def test_clf_is_deterministic_and_shaped():
-    a, b, c = load_split("clf", 0), load_split("clf", 0), load_split("clf", 1)
+    load_split = workload_class("clf").load_split
+    a, b, c = load_split(0), load_split(0), load_split(1)
     x_tr, y_tr, x_te, y_te = a
     assert x_tr.shape == (TRAIN, FEATURES) and x_te.shape == (TEST, FEATURES) and FEATURES == 64
     assert x_tr.dtype == x_te.dtype == torch.float32 and y_tr.dtype == torch.int64
@@ -27,13 +29,13 @@ def test_clf_is_deterministic_and_shaped():
     assert all(torch.equal(u, v) for u, v in zip(a, b))                 # the seed alone decides
     assert not torch.equal(x_tr, c[0])
     assert abs(x_tr.mean().item()) < 1e-3                                # standardised on the training split
-    assert "mlp" in MLP_WORKLOADS and load_split("mlp", 0)[0].shape[1] == 64   # digits stays the default
-    with pytest.raises(ValueError, match="ctr"):
-        load_split("ctr")
+    assert workload_class("mlp").load_split(0)[0].shape[1] == 64   # digits stays the default
+    with pytest.raises(ValueError, match="unknown workload 'nope'; use one of .*clf.*ctr"):
+        workload_class("nope")
 
 
 def test_clf_is_sharded_like_digits():
-    x, y, _, _ = load_split("clf", 0)
+    x, y, _, _ = workload_class("clf").load_split(0)
     seen = []
     for rank in range(4):                                # the first 20 batches of each rank: disjoint rows
         it = worker_batches(x, y, rank, 4, 32, 0)
@@ -41,9 +43,9 @@ def test_clf_is_sharded_like_digits():
         assert rows.shape == (640, 64)
         seen.append({tuple(r[:4].tolist()) for r in rows})
     assert sum(len(s) for s in seen) == len(set().union(*seen)) == 4 * 640
-    for name in ("ps.py", "allreduce.py"):               # both trainers pick the data through the one registry
-        src = (ROOT / "worker" / "trainers" / name).read_text()
-        assert "load_split(cfg.workload" in src and "load_digits_split" not in src and "worker_batches(" in src
+    for path in (ROOT / "worker" / "trainers").glob("*.py"):   # strategies ask the workload, never name one
+        src = path.read_text()
+        assert not any(w in src for w in ('"mlp"', '"clf"', '"ctr"', "load_digits_split", "load_clf_split")), path.name
 
 
 # ---- config -------------------------------------------------------------------------------------------
@@ -68,8 +70,9 @@ def test_the_ctr_workload_races_to_a_test_auc():
         load_config(None, {"workload": "ctr", "mode": "hybrid", "eval_every": 10, "target_accuracy": 0.8})
     with pytest.raises(ValueError, match="use --target-accuracy"):
         load_config(None, {"workload": "clf", "eval_every": 10, "target_auc": 0.8})
-    with pytest.raises(ValueError, match="--mode allreduce / hybrid"):
-        load_config(None, {"workload": "ctr", "mode": "ps", "eval_every": 10})
+    load_config(None, {"workload": "ctr", "mode": "ps", "eval_every": 10})   # the one loop evaluates every mode
+    with pytest.raises(ValueError, match="not pipeline"):
+        load_config(None, {"workload": "clf", "mode": "pipeline", "eval_every": 10})
     with pytest.raises(ValueError, match="--sync bsp in --mode hybrid"):
         load_config(None, {"workload": "ctr", "mode": "hybrid", "sync": "asp", "eval_every": 10, "target_auc": 0.8})
     with pytest.raises(ValueError, match="--target-auc needs --eval-every"):

@@ -1,5 +1,5 @@
-"""The trainer seam (worker/trainers/base.py): one rule per derived figure, one result shape for every mode,
-and no trainer reaching into another trainer's internals. No sockets, no process groups."""
+"""The trainer seam (worker/trainers/base.py, strategy.py, loop.py): one rule per derived figure, one result shape
+for every mode, one loop, and no strategy reaching into another's internals. No sockets, no process groups."""
 import ast
 import logging
 import re
@@ -10,12 +10,14 @@ import pytest
 from deltaps.config import TrainConfig
 from worker.trainers.allreduce import allreduce_extras
 from worker.trainers.base import COMMON_KEYS, FINAL_LOSS_WINDOW, RunRecorder, RunResult
-from worker.trainers.hybrid import ctr_extras, hybrid_extras
+from worker.trainers.hybrid import hybrid_extras
 from worker.trainers.pipeline import pipeline_extras
+from worker.workloads.ctr import ctr_extras
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = ROOT / "worker" / "trainers"
-LOOPS = ("ps.py", "allreduce.py", "hybrid.py", "pipeline.py")
+STRATEGIES = ("ps.py", "allreduce.py", "hybrid.py", "pipeline.py")
+SHARED = ("worker.trainers.base", "worker.trainers.collective", "worker.trainers.context", "worker.trainers.strategy")
 
 # The result keys each mode wrote before the RunResult refactor: none may disappear.
 COMMON = {"rank", "steps", "wall_s", "mean_step_s", "median_step_s", "compute_s", "comm_s", "wait_s",
@@ -111,9 +113,9 @@ def test_mode_results_keep_their_keys():
         "ps": _result(codec="int8", final_codec="none", codec_fallbacks=[{"step": 3, "reason": "x"}],
                       server_stats=stats),
         "allreduce": _result(extras=allreduce_extras("gloo", 25.0, [400, 400], 2, 0.0)),
-        "ctr-allreduce": _result(extras=ctr_extras(ev, timing_method="t")),
-        "ctr-ps": _result(extras=ctr_extras(ev, optimizer_note="n"), server_stats=stats),
-        "hybrid": _result(extras=ctr_extras(ev, **hybrid_extras(["emb"], {"bytes_pushed_wire": 5}, 7)),
+        "ctr-allreduce": _result(extras={**ctr_extras(ev), **allreduce_extras("gloo", 25.0, [400], 2, 0.0)}),
+        "ctr-ps": _result(extras={**ctr_extras(ev), "optimizer_note": "n"}, server_stats=stats),
+        "hybrid": _result(extras={**ctr_extras(ev), **hybrid_extras(["emb"], {"bytes_pushed_wire": 5}, 7)},
                           server_stats=stats),
         "pipeline": _result(extras=pipeline_extras(cfg, 1, 0, 1, 99, ["2"], 0.3), server_stats=stats),
     }
@@ -131,13 +133,16 @@ def _tree(name: str) -> ast.Module:
     return ast.parse((TRAINERS / name).read_text())
 
 
-@pytest.mark.parametrize("name", LOOPS)
-def test_trainer_builds_its_result_through_the_recorder(name):
-    src = (TRAINERS / name).read_text()
-    assert "RunRecorder" in src
-    assert '"final_train_loss"' not in src and not re.search(r"losses\[-\d+:\]", src)   # the rule lives in base.py
-    assert '"mean_step_s"' not in src and '"compute_s"' not in src
-    assert "tqdm(" not in src                                               # the progress bar too
+def test_the_loop_builds_every_result_through_the_recorder():
+    src = (TRAINERS / "loop.py").read_text()
+    assert "RunRecorder(" in src and "run.result(" in src
+    for name in STRATEGIES + ("loop.py", "strategy.py"):
+        src = (TRAINERS / name).read_text()
+        assert '"final_train_loss"' not in src and not re.search(r"losses\[-\d+:\]", src)   # the rule lives in base.py
+        assert '"mean_step_s"' not in src and '"compute_s"' not in src
+        assert "tqdm(" not in src                                               # the progress bar too
+        if name in STRATEGIES:
+            assert "RunRecorder(" not in src and "run.steps(" not in src, name      # one loop: loop.py
 
 
 def test_trainers_import_no_private_names_and_no_tools():
@@ -152,12 +157,41 @@ def test_trainers_import_no_private_names_and_no_tools():
                 assert not any(a.name.startswith(("deltaps.tools", "deltaps.cli")) for a in node.names), path.name
 
 
-def test_trainers_import_no_other_trainer():
-    """Loops share base.py / collective.py, never each other."""
-    for name in LOOPS:
+def test_strategies_import_no_other_strategy():
+    """Strategies share base.py / collective.py / context.py / strategy.py, never each other."""
+    for name in STRATEGIES:
         for node in ast.walk(_tree(name)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("worker.trainers."):
-                assert node.module in ("worker.trainers.base", "worker.trainers.collective"), (name, node.module)
+                assert node.module in SHARED, (name, node.module)
+
+
+def test_the_loop_imports_no_strategy_module():
+    """Strategies register themselves (strategy.BUILTIN, loaded by name, as compression's codecs): the loop and the
+    registry import none of them, and every built-in one is registered under the mode it names."""
+    from worker.trainers.strategy import BUILTIN, available_strategies
+    strategy_modules = {f"worker.trainers.{n.removesuffix('.py')}" for n in STRATEGIES}
+    assert set(BUILTIN) == strategy_modules
+    for name in ("loop.py", "strategy.py", "context.py", "base.py", "collective.py"):
+        for node in ast.walk(_tree(name)):
+            imported = ([node.module] if isinstance(node, ast.ImportFrom) else
+                        [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            assert not set(imported) & strategy_modules, (name, imported)
+    assert available_strategies() == ["allreduce", "hybrid", "pipeline", "ps"]
+
+
+def test_cli_worker_run_is_short_and_mode_blind():
+    tree = ast.parse((ROOT / "deltaps" / "cli" / "worker.py").read_text())
+    run = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run")
+    assert run.end_lineno - run.lineno + 1 <= 20
+    assert "mode" not in ast.unparse(run)
+
+
+def test_strategy_and_workload_methods_stay_short():
+    for path in [*(TRAINERS / n for n in STRATEGIES + ("loop.py", "strategy.py")), *(ROOT / "worker" / "workloads").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for fn in (n for n in node.body if isinstance(n, ast.FunctionDef)):
+                    assert fn.end_lineno - fn.lineno + 1 <= 50, (path.name, node.name, fn.name)
 
 
 def test_trainer_modules_stay_small():

@@ -1,10 +1,12 @@
-"""Ring-allreduce baseline: the same trainer as train_ps, but gradients are averaged with
-torch.distributed (DDP, bucketed allreduce; gloo on CPU, nccl on GPUs) and every rank runs the
-optimizer locally. This is what users already run (DDP / Horovod) and what deltaps must beat.
+"""`--mode allreduce`, the ring-allreduce baseline: gradients are averaged with torch.distributed (DDP,
+bucketed allreduce; gloo on CPU, nccl on GPUs) and every rank runs the optimizer locally. This is what users
+already run (DDP / Horovod, + torch's comm hooks) and what deltaps must beat.
 
-Same model (make_mlp, same seed), same data shard per rank (worker_batches), same optimizer config
-(local_optimizer), same steps; the result is a RunResult (worker/trainers/base.py) like train_ps's, so
-deltaps.tools.launch.summarize works for both.
+Same model, data shard per rank, optimizer config (local_optimizer) and steps as every mode (the one loop,
+worker/trainers/loop.py). A model with embedding tables (--workload ctr) keeps them dense in DDP's buckets,
+or sparse (--sparse-embeddings, bench compare's ddp:sparse: nn.Embedding(sparse=True), gloo's sparse
+allreduce, stepped by --embedding-optimizer; collective.sparse_aware_hook); the dense buckets of such a model
+take fp16 / bf16 only.
 
 Step-time split (how it is measured, per step, per rank):
   * a DDP communication hook (worker/trainers/collective.py) timestamps each gradient bucket when autograd
@@ -37,54 +39,31 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
 
-from deltaps.config import TrainConfig
-from worker.trainers.base import RunRecorder, local_optimizer, save_model
+from worker.trainers.base import local_optimizer, table_optimizer
 from worker.trainers.collective import (
-    AllreduceHookState,
+    SparseHookState,
     check_ddp_hook,
-    init_process_group,
-    register_timed_hook,
     resolve_backend,
     ring_bytes,
+    sparse_aware_hook,
+    wrap_hook,
 )
-from worker.workloads import load_split
-from worker.workloads.digits import worker_batches
-from worker.workloads.mlp import accuracy, make_mlp, param_count
+from worker.trainers.strategy import StepOutcome, Strategy, register
 
-__all__ = ["train_allreduce", "allreduce_extras"]
+__all__ = ["Allreduce", "allreduce_extras"]
 
 log = logging.getLogger("deltaps.allreduce")
 
 TIMING_METHOD = ("ddp-comm-hook: blocked = backward return - last bucket ready; "
                  "wait = slowest rank's last-ready - mine (clipped); comm = blocked - wait")
-
-
-def train_allreduce(cfg: TrainConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1",
-                    master_port: int = 29500, backend: str = "auto", bucket_cap_mb: float = 25.0) -> dict:
-    torch.set_num_threads(1)
-    check_ddp_hook(cfg.ddp_hook)      # a bad --ddp-hook fails here, before the rendezvous
-    backend = resolve_backend(backend)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
-        torch.cuda.set_device(device)
-    init_process_group(cfg, rank, world_size, master_addr, master_port, backend)
-    try:
-        return _train(cfg, rank, world_size, backend, device, bucket_cap_mb)
-    finally:
-        dist.destroy_process_group()
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+TABLE_HOOKS = ("none", "fp16", "bf16")     # what the dense buckets of a model with tables take
 
 
 def allreduce_extras(backend: str, bucket_cap_mb: float, grad_bytes_steps: list[int], world_size: int,
                      params_max_diff: float, wire_steps: list[int] | None = None, hook: dict | None = None) -> dict:
-    """train_allreduce's own result keys (RunResult.extras). ring_bytes_per_step: the mean per step of the
+    """The allreduce mode's own result keys (RunResult.extras). ring_bytes_per_step: the mean per step of the
     ring figure of what was allreduced (wire_steps; default: every step's fp32 gradients)."""
     g = grad_bytes_steps[-1] if grad_bytes_steps else 0
     wire = sum(wire_steps) / max(1, len(wire_steps)) if wire_steps is not None else ring_bytes(g, world_size)
@@ -99,65 +78,119 @@ def allreduce_extras(backend: str, bucket_cap_mb: float, grad_bytes_steps: list[
             "timing_method": method, **hook}
 
 
-def _train(cfg, rank, world_size, backend, device, bucket_cap_mb) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+@register("allreduce")
+class Allreduce(Strategy):
+    collective = True
+    takes_ddp_hook = sparse_tables = True
 
-    x_tr, y_tr, x_te, y_te = load_split(cfg.workload, cfg.seed)
-    x_tr, y_tr, x_te, y_te = x_tr.to(device), y_tr.to(device), x_te.to(device), y_te.to(device)
-    model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb)
-    state = AllreduceHookState(world_size)
-    hook = register_timed_hook(ddp, state, cfg.ddp_hook, backend)
-    opt = local_optimizer(cfg, ddp.parameters())
-    batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
-    ready_wall, grad_bytes = [], []
-    run = RunRecorder(cfg, rank, f"worker {rank} (allreduce)", log)
-    dist.barrier()
-    for _ in run.steps():
-        t0 = run.step_start
-        xb, yb = next(batches)
+    @classmethod
+    def validate(cls, cfg, workload_cls) -> None:
+        super().validate(cfg, workload_cls)
+        hook = check_ddp_hook(cfg.ddp_hook).split(":")[0]     # a bad --ddp-hook fails here, before the rendezvous
+        if workload_cls.has_embeddings and hook not in TABLE_HOOKS:
+            raise ValueError(f"--ddp-hook {cfg.ddp_hook}: the {workload_cls.name} model's dense buckets take fp16 or "
+                             f"bf16 (the embedding rows go their own way)")
+        if cfg.sparse_embeddings and not workload_cls.has_embeddings:
+            raise ValueError(f"--sparse-embeddings (ddp:sparse) needs a model with an embedding table (--workload "
+                             f"ctr), not --workload {workload_cls.name}")
+
+    def backend(self) -> str:
+        # gloo's sparse allreduce carries the tables' rows: a model with tables stays on gloo
+        return "gloo" if self.workload.has_embeddings else resolve_backend(self.ctx.backend)
+
+    @property
+    def desc(self) -> str:
+        sparse = ", sparse table" if self.cfg.sparse_embeddings else ""
+        return f"worker {self.rank} (allreduce{sparse}, {self.workload.name})"
+
+    def setup(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        cfg, ctx = self.cfg, self.ctx
+        self.device = torch.device("cpu")
+        if self.backend() == "nccl":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK",
+                                                                  self.rank % max(1, torch.cuda.device_count()))))
+            torch.cuda.set_device(self.device)
+        self.workload.to(self.device)
+        self.model = model = self.workload.build_model("sparse" if cfg.sparse_embeddings else "local").to(self.device)
+        tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+        # a table's gradient is not copied into DDP's buckets (a million-row table would be twice in memory)
+        self.bucket_views = bool(tables)
+        self.ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                       bucket_cap_mb=ctx.bucket_cap_mb, gradient_as_bucket_view=self.bucket_views)
+        self.state = SparseHookState(ctx.world_size)
+        self.hook = wrap_hook(self.state, cfg.ddp_hook, self.backend())    # torch's hook inside our timing
+        self.ddp.register_comm_hook(self.state, sparse_aware_hook)
+        dense = [p for p in model.parameters() if all(p is not t for t in tables)]
+        self.optimizers = [local_optimizer(cfg, dense)]
+        # gradients that are views into DDP's buckets are zeroed in place; a sparse gradient is replaced
+        self.zero_to_none = [not self.bucket_views]
+        if tables:
+            self.optimizers.append(table_optimizer(cfg, tables, cfg.sparse_embeddings))
+            self.zero_to_none.append(cfg.sparse_embeddings)
+        self.ready_wall, self.grad_bytes, self.sparse_bytes, self._synced = [], [], 0, True
+        dist.barrier()
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def train_step(self, run, step: int, batch) -> StepOutcome:
+        t0, state, world = run.step_start, self.state, self.ctx.world_size
         state.new_step()
-        loss = F.cross_entropy(ddp(xb), yb)
-        opt.zero_grad(set_to_none=True)
+        loss = self.workload.loss(self.ddp, batch)
+        for opt, to_none in zip(self.optimizers, self.zero_to_none):
+            opt.zero_grad(set_to_none=to_none)
         loss.backward()           # returns after all buckets are allreduced and averaged
-        _sync(device)
+        self._sync_device()
         t_bwd_wall, t_bwd = time.time(), time.perf_counter()
-        opt.step()
-        _sync(device)
-        averaged = hook.after_step(ddp.parameters())     # local SGD: the periodic model average, else None
+        for opt in self.optimizers:
+            opt.step()
+        self._sync_device()
+        averaged = self.hook.after_step(self.ddp.parameters())     # local SGD: the periodic model average, else None
         end = time.perf_counter()
         blocked, ready = state.exposed_comm_s(t_bwd_wall, t_bwd - t0), state.ready_wall(t_bwd_wall)
-        wire = ring_bytes(state.payload_bytes, world_size)
+        wire = ring_bytes(state.payload_bytes, world) + state.sparse_sent
         if averaged:
             avg_s, ready, avg_bytes = averaged
-            blocked, wire = blocked + avg_s, wire + ring_bytes(avg_bytes, world_size)
-        ready_wall.append(ready)
+            blocked, wire = blocked + avg_s, wire + ring_bytes(avg_bytes, world)
+        self.ready_wall.append(ready)
         run.comm(blocked)
-        grad_bytes.append(state.bucket_bytes)
-        run.record(loss.item(), wire_bytes=wire, end=end)
+        self.grad_bytes.append(state.bucket_bytes)
+        self.sparse_bytes += state.sparse_sent
         # replicas are identical after every DDP step; under local SGD only right after the model average
         # (or before its start step, while gradients are still allreduced)
-        avg = hook.averager
-        run.evaluate(lambda: accuracy(model, x_te, y_te),
-                     synced=avg is None or averaged is not None or avg.step <= avg.warmup_steps)
-    # Who was ready last, per step: gather everybody's last-bucket timestamps (no cost during training).
-    mine = torch.tensor(ready_wall, dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine)
-    slowest = torch.stack(everyone).max(0).values.cpu().tolist()
-    run.wait_times = [min(b, max(0.0, s - r)) for b, s, r in zip(run.blocked_times, slowest, ready_wall)]
-    acc = accuracy(model, x_te, y_te)
-    save_model(cfg, rank, model)
-    # every rank must hold the same parameters after DDP training (local SGD: only right after an average)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    spread = flat.clone()
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    params_max_diff = (spread - flat).abs().max().item()
-    sent = sum(run.wire_steps)
-    raw = sum(ring_bytes(b, world_size) for b in grad_bytes)    # what plain fp32 DDP would have moved
-    result = run.result(final_test_accuracy=acc, model_params=param_count(model),
-                        bytes_pushed_wire=int(sent), bytes_pushed_raw=int(raw), bytes_pulled_wire=int(sent),
-                        extras=allreduce_extras(backend, bucket_cap_mb, grad_bytes, world_size, params_max_diff,
-                                                run.wire_steps, hook.extras))
-    dist.barrier()
-    return result.to_dict()
+        avg = self.hook.averager
+        self._synced = avg is None or averaged is not None or avg.step <= avg.warmup_steps
+        return StepOutcome(loss.item(), wire, end)
+
+    @property
+    def synced(self) -> bool:
+        return self._synced
+
+    def finish(self, run) -> dict:
+        world = self.ctx.world_size
+        # Who was ready last, per step: gather everybody's last-bucket timestamps (no cost during training).
+        mine = torch.tensor(self.ready_wall, dtype=torch.float64, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        slowest = torch.stack(everyone).max(0).values.cpu().tolist()
+        run.wait_times = [min(b, max(0.0, s - r)) for b, s, r in zip(run.blocked_times, slowest, self.ready_wall)]
+        # every rank must hold the same parameters after DDP training (local SGD: only right after an average)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        spread = flat.clone()
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        params_max_diff = (spread - flat).abs().max().item()
+        sent = sum(run.wire_steps)
+        # what plain fp32 DDP would have moved (+ the sparse rows, which have no dense figure)
+        raw = sum(ring_bytes(b, world) for b in self.grad_bytes) + self.sparse_bytes
+        extras = allreduce_extras(self.backend(), self.ctx.bucket_cap_mb, self.grad_bytes, world, params_max_diff,
+                                  run.wire_steps, self.hook.extras)
+        if self.cfg.sparse_embeddings:
+            extras.update(sparse_embeddings=True, sparse_allgather_bytes=self.sparse_bytes,
+                          table_optimizer=type(self.optimizers[-1]).__name__)
+        return dict(bytes_pushed_wire=int(sent), bytes_pushed_raw=int(raw), bytes_pulled_wire=int(sent),
+                    extras=extras)
+
+    def report(self, result) -> None:
+        dist.barrier()

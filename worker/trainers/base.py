@@ -49,6 +49,16 @@ def local_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def table_optimizer(cfg: TrainConfig, params, sparse: bool = False) -> torch.optim.Optimizer:
+    """The local table optimizer of the allreduce modes: --embedding-optimizer at --embedding-lr (the PS table's
+    eps). sparse: for a sparse gradient; torch's SGD and Adagrad take one as is, adam becomes SparseAdam."""
+    if cfg.embedding_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.embedding_lr, eps=1e-10)
+    if cfg.embedding_optimizer == "adam":
+        return (torch.optim.SparseAdam if sparse else torch.optim.Adam)(params, lr=cfg.embedding_lr)
+    return torch.optim.SGD(params, lr=cfg.embedding_lr)
+
+
 def make_compressor(cfg: TrainConfig):
     from compression import Compressor
     return Compressor(cfg.codec, min_bytes=cfg.min_compress_bytes, warmup_steps=cfg.compress_warmup_steps)
@@ -185,7 +195,8 @@ class RunRecorder:
     A step's timer starts when `steps()` yields it and stops at `record()` (or at its `end`); steps left by
     `break` before `record()` are not counted. `evaluate()` after `record()` may end the loop (target reached)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, desc: str, log: logging.Logger):
+    def __init__(self, cfg: TrainConfig, rank: int, desc: str, log: logging.Logger, metric: str = "test_accuracy",
+                 target_key: str = "target_accuracy"):
         self.cfg, self.rank, self.desc, self.log = cfg, rank, desc, log
         self.step_times: list[float] = []
         self.blocked_times: list[float] = []
@@ -202,11 +213,8 @@ class RunRecorder:
         self.time_to_target_s: float | None = None
         self._t_start = 0.0
         self._eval_due = False
-        # what the evaluations measure, the result key of the target, the target: the click-through workload
-        # races to a test AUC
-        self.metric, self.target_key, self.target = (
-            ("test_auc", "target_auc", cfg.target_auc) if cfg.workload == "ctr"
-            else ("test_accuracy", "target_accuracy", cfg.target_accuracy))
+        # what the evaluations measure and the config field / result key of its target: the workload's
+        self.metric, self.target_key, self.target = metric, target_key, getattr(cfg, target_key)
 
     def steps(self, first: int = 0) -> Iterator[int]:
         """Steps first .. cfg.steps - 1 under a progress bar; wall_s covers the whole loop."""
@@ -260,10 +268,10 @@ class RunRecorder:
         return time.perf_counter() - self._t_start - self.eval_s
 
     def evaluate(self, accuracy_fn, synced: bool = True) -> bool:
-        """After `record()`: every cfg.eval_every steps evaluate `accuracy_fn()` (-> test accuracy; --workload
-        ctr: test AUC), timed apart from training. synced: every rank holds the same model now (DDP: always;
+        """After `record()`: every cfg.eval_every steps evaluate `accuracy_fn()` (-> the workload's metric: test
+        accuracy, test AUC), timed apart from training. synced: every rank holds the same model now (DDP: always;
         local SGD / PS local updates: right after an average); a due evaluation waits for the next synced step.
-        Returns True when this one reached cfg.target_accuracy (ctr: cfg.target_auc): `steps()` then ends the
+        Returns True when this one reached the target (the workload's target field): `steps()` then ends the
         loop."""
         every, done = self.cfg.eval_every, self._step + 1
         if not every:

@@ -10,7 +10,6 @@ blocked on the allreduce rather than computing (worker/trainers/allreduce.py des
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
 import torch
@@ -28,18 +27,6 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     return backend
-
-
-def env_rendezvous(rank: int | None, world_size: int | None, master_addr: str | None,
-                   master_port: int | None) -> tuple[int, int, str, int]:
-    """Flags win; otherwise torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT."""
-    rank = rank if rank is not None else int(os.environ.get("RANK", "-1"))
-    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "-1"))
-    master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    master_port = master_port or int(os.environ.get("MASTER_PORT", "29500"))
-    if rank < 0 or world_size < 1:
-        raise ValueError("allreduce worker needs --rank/--world-size or torchrun's RANK/WORLD_SIZE")
-    return rank, world_size, master_addr, master_port
 
 
 def init_process_group(cfg, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -94,6 +81,33 @@ def timed_allreduce_hook(state: AllreduceHookState, bucket):
     state.payload_bytes += nbytes
     buf.div_(state.world_size)
     fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+class SparseHookState(AllreduceHookState):
+    """AllreduceHookState + the bytes of the sparse buckets (nn.Embedding(sparse=True) gradients) this step."""
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size)
+        self.sparse_sent = 0
+
+    def new_step(self) -> None:
+        super().new_step()
+        self.sparse_sent = 0
+
+
+def sparse_aware_hook(state: SparseHookState, bucket):
+    """timed_allreduce_hook for dense buckets. A sparse bucket (DDP gives a sparse gradient a bucket of its own)
+    is divided by the world size and allreduced by gloo's sparse allreduce, an allgather of each rank's coalesced
+    (row index int64, values) pairs: a rank sends (W-1) x its own pairs' bytes in the ring (exact on average)."""
+    buf = bucket.buffer()
+    if not buf.is_sparse:
+        return timed_allreduce_hook(state, bucket)
+    state.last_ready = max(state.last_ready, time.time())
+    buf = buf.coalesce()
+    vals = buf.values()
+    state.sparse_sent += (state.world_size - 1) * (buf.indices().numel() * 8 + vals.numel() * vals.element_size())
+    fut = dist.all_reduce(buf.div_(state.world_size), async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 

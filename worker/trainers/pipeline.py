@@ -7,7 +7,8 @@ pipeline replica d = r // S:
     replica 1:  rank S (stage 0) -> ...
     ...
 
-* The digits MLP (worker/workloads/mlp.py make_mlp) is cut into S contiguous stages at Linear boundaries
+* The workload's MLP (a sequential one: mlp, clf, ...; worker/workloads/mlp.py make_mlp) is cut into S
+  contiguous stages at Linear boundaries
   (split_stages); parameter names keep the full model's names under a stage prefix: `stage1.2.weight`.
 * Within a replica, micro-batches flow forward and backward between stages over torch.distributed
   point-to-point (gloo send/recv on one process group per replica), driven by
@@ -22,7 +23,8 @@ pipeline replica d = r // S:
   of stage s completes step t once the D replicas of stage s pushed it: the server averages the D
   gradients and runs its optimizer (--optimizer) once, exactly as in ps mode.
 * At the end every process pulls the whole model (all stages, min_version = steps) and evaluates it;
-  rank 0 writes --save-model with the plain make_mlp names.
+  rank 0 writes --save-model with the plain make_mlp names. No evaluation during training (the model is
+  cut across processes).
 """
 from __future__ import annotations
 
@@ -32,15 +34,13 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from deltaps.config import TrainConfig
 from deltaps.optimizer_config import OptimizerConfig
-from worker.trainers.base import RunRecorder, comm_counters, load_params, local_optimizer, make_compressor, save_model
-from worker.trainers.collective import env_rendezvous, init_process_group, server_stats_when_done
-from worker.workloads.digits import load_digits_split, worker_batches
-from worker.workloads.mlp import accuracy, make_mlp, param_count
+from worker.trainers.base import comm_counters, load_params, local_optimizer, make_compressor
+from worker.trainers.collective import server_stats_when_done
+from worker.trainers.context import ClientOptions
+from worker.trainers.strategy import StepOutcome, Strategy, register
 
 log = logging.getLogger("deltaps.pipeline")
 
@@ -82,9 +82,9 @@ def grid(rank: int, world_size: int, stages: int) -> tuple[int, int, int]:
     return rank % stages, rank // stages, world_size // stages
 
 
-def make_schedule(kind: str, stage, microbatches: int):
+def make_schedule(kind: str, stage, microbatches: int, loss_fn):
+    """loss_fn(output, target): the mean loss of a micro-batch (the workload's criterion)."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-    loss_fn = lambda out, y: F.cross_entropy(out, y)  # noqa: E731  (mean over the micro-batch)
     if kind == "gpipe":
         return ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
     if kind == "1f1b":
@@ -92,123 +92,116 @@ def make_schedule(kind: str, stage, microbatches: int):
     raise ValueError(f"unknown pipeline schedule {kind!r}; use gpipe or 1f1b")
 
 
-def pipeline_extras(cfg: TrainConfig, stage: int, replica: int, replicas: int, stage_params: int,
+def pipeline_extras(cfg, stage: int, replica: int, replicas: int, stage_params: int,
                     stage_modules: list[str], pipeline_s: float) -> dict:
-    """train_pipeline's own result keys (RunResult.extras)."""
+    """The pipeline mode's own result keys (RunResult.extras)."""
     return {"stage_params": stage_params, "stage": stage, "replica": replica, "pipeline_stages": cfg.pipeline_stages,
             "replicas": replicas, "microbatches": cfg.microbatches, "pipeline_schedule": cfg.pipeline_schedule,
             "stage_modules": stage_modules, "pipeline_s": pipeline_s, "timing_method": TIMING_METHOD}
 
 
-def train_pipeline(cfg: TrainConfig, servers: list[str], rank: int, world_size: int,
-                   master_addr: str = "127.0.0.1", master_port: int = 29500, security=None) -> dict:
-    from torch.distributed.pipelining import PipelineStage
+@register("pipeline")
+class Pipeline(Strategy):
+    collective = True
+    needs_servers = True
 
-    from worker.client import PSClient
+    @classmethod
+    def validate(cls, cfg, workload_cls) -> None:
+        super().validate(cfg, workload_cls)
+        if not workload_cls.sequential:
+            raise ValueError(f"--mode pipeline cuts a stack of layers: use a workload with an MLP (mlp, clf), "
+                             f"not --workload {workload_cls.name}")
+        if cfg.sync != "bsp":
+            raise ValueError(f"--mode pipeline supports --sync bsp only, not {cfg.sync}")
+        if cfg.eval_every:
+            raise ValueError("--eval-every applies to --mode ps / allreduce / hybrid, not pipeline (the model is cut "
+                             "across processes)")
+        if cfg.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {cfg.pipeline_schedule!r}; use gpipe or 1f1b")
+        if not 1 <= cfg.pipeline_stages <= cfg.layers + 1:
+            raise ValueError(f"--pipeline-stages must be in [1, layers + 1 = {cfg.layers + 1}], "
+                             f"got {cfg.pipeline_stages}")
+        if cfg.workers % cfg.pipeline_stages:
+            raise ValueError(f"--workers {cfg.workers} must be a multiple of --pipeline-stages {cfg.pipeline_stages}")
+        if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:
+            raise ValueError(f"--microbatches {cfg.microbatches} must be >= 1 and divide --batch-size {cfg.batch_size}")
 
-    torch.set_num_threads(1)
-    S, M = cfg.pipeline_stages, cfg.microbatches
-    s, d, D = grid(rank, world_size, S)
-    init_process_group(cfg, rank, world_size, master_addr, master_port)
-    client = None
-    try:
+    @property
+    def desc(self) -> str:
+        return f"worker {self.rank} (pipeline s{self.s} r{self.d})"
+
+    def setup(self) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        from worker.client import PSClient
+        cfg, ctx = self.cfg, self.ctx
+        S = cfg.pipeline_stages
+        self.s, self.d, self.D = s, d, D = grid(ctx.rank, ctx.world_size, S)
         # one gloo group per pipeline replica (every rank must create every group, in the same order)
         groups = [dist.new_group([r * S + i for i in range(S)], backend="gloo") for r in range(D)]
-        pp_group = groups[d]
-        x_tr, y_tr, x_te, y_te = load_digits_split(cfg.seed)
-        model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed)   # same init in every process
+        self.pp_group = groups[d]
+        self.model = model = self.workload.build_model()     # same init in every process
         parts = split_stages(model, S)
-        mine = parts[s]
-        full = [(stage_name(i, n), p) for i, part in enumerate(parts) for n, p in part.named_parameters()]
-        own = [(stage_name(s, n), p) for n, p in mine.named_parameters()]
-        own_names = [n for n, _ in own]
-        client = PSClient(servers, d, D, sync=cfg.sync,
-                          optimizer=OptimizerConfig.from_torch(local_optimizer(cfg, model.parameters())),
-                          codec=cfg.codec, pull_codec=cfg.pull_codec, compressor=make_compressor(cfg),
-                          chunk_bytes=cfg.chunk_bytes, max_message_bytes=cfg.max_message_bytes,
-                          timeout_s=cfg.timeout_s, security=security,
-                          reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps)
-        client.setup([(n, p.detach()) for n, p in full])
-        staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in own}
-        staging.update(client.pull(names=own_names, out=staging, delta=True))
-        load_params(own, staging)
-        stage = PipelineStage(mine, s, S, torch.device("cpu"), group=pp_group)
-        schedule = make_schedule(cfg.pipeline_schedule, stage, M)
-        batches = worker_batches(x_tr, y_tr, d, D, cfg.batch_size, cfg.seed)
-        pipe_s = []
-        run = RunRecorder(cfg, rank, f"worker {rank} (pipeline s{s} r{d})", log)
+        self.mine = parts[s]
+        self.full = [(stage_name(i, n), p) for i, part in enumerate(parts) for n, p in part.named_parameters()]
+        self.own = own = [(stage_name(s, n), p) for n, p in self.mine.named_parameters()]
+        self.own_names = [n for n, _ in own]
+        self.client = PSClient(ctx.servers, d, D, optimizer=OptimizerConfig.from_torch(local_optimizer(cfg, model.parameters())),
+                               codec=cfg.codec, pull_codec=cfg.pull_codec, compressor=make_compressor(cfg),
+                               **ClientOptions.from_config(cfg, ctx.security).kwargs())
+        self.closables.append(self.client)
+        self.client.setup([(n, p.detach()) for n, p in self.full])
+        self.staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in own}
+        self.staging.update(self.client.pull(names=self.own_names, out=self.staging, delta=True))
+        load_params(own, self.staging)
+        stage = PipelineStage(self.mine, s, S, torch.device("cpu"), group=self.pp_group)
+        self.schedule = make_schedule(cfg.pipeline_schedule, stage, cfg.microbatches, self.workload.criterion)
+        self.pipe_s: list[float] = []
         dist.barrier()
-        for step in run.steps():
-            t0 = run.step_start
-            xb, yb = next(batches)      # every stage of replica d draws the same batch; only ends use it
-            for _, p in own:
-                p.grad = None
-            mb_losses: list = []
-            if S == 1:
-                schedule.step(xb, target=yb, losses=mb_losses)
-            elif s == 0:
-                schedule.step(xb)
-            elif s == S - 1:
-                schedule.step(target=yb, losses=mb_losses)
-            else:
-                schedule.step()
-            t1 = time.perf_counter()
-            grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in own}
-            client.push(grads, step)
-            before = time.perf_counter()
-            futs = [client.pool.submit(client.pull_keys, sh, ks, client.sync.pull_min_version(step + 1), staging, True)
-                    for sh, ks in client.keys_by_shard(own_names).items()]
-            waited = max((f.result() for f in futs), default=0.0)
-            load_params(own, staging)
-            t2 = time.perf_counter()
-            run.comm(t2 - t1, min(waited, t2 - before))
-            pipe_s.append(t1 - t0)
-            loss = float(torch.stack([x.detach() for x in mb_losses]).mean()) if mb_losses else None
-            run.record(loss, end=t2)
+
+    def batches(self):
+        return self.workload.batches(self.d, self.D)   # every stage of replica d draws the same batch
+
+    def train_step(self, run, step: int, batch) -> StepOutcome:
+        t0, s, S, client = run.step_start, self.s, self.cfg.pipeline_stages, self.client
+        (xb,), yb = batch      # only the ends use it
+        for _, p in self.own:
+            p.grad = None
+        mb_losses: list = []
+        if S == 1:
+            self.schedule.step(xb, target=yb, losses=mb_losses)
+        elif s == 0:
+            self.schedule.step(xb)
+        elif s == S - 1:
+            self.schedule.step(target=yb, losses=mb_losses)
+        else:
+            self.schedule.step()
+        t1 = time.perf_counter()
+        client.push({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for n, p in self.own}, step)
+        before = time.perf_counter()
+        futs = [client.pool.submit(client.pull_keys, sh, ks, client.sync.pull_min_version(step + 1), self.staging, True)
+                for sh, ks in client.keys_by_shard(self.own_names).items()]
+        waited = max((f.result() for f in futs), default=0.0)
+        load_params(self.own, self.staging)
+        t2 = time.perf_counter()
+        run.comm(t2 - t1, min(waited, t2 - before))
+        self.pipe_s.append(t1 - t0)
+        loss = float(torch.stack([x.detach() for x in mb_losses]).mean()) if mb_losses else None
+        return StepOutcome(loss, end=t2)
+
+    def finish(self, run) -> dict:
+        cfg, s, S = self.cfg, self.s, self.cfg.pipeline_stages
         # the last stage knows the losses: share them with the replica's other stages (rank 0 reports them)
         lt = torch.tensor(run.losses if s == S - 1 else [0.0] * cfg.steps, dtype=torch.float64)
-        dist.broadcast(lt, src=d * S + S - 1, group=pp_group)
+        dist.broadcast(lt, src=self.d * S + S - 1, group=self.pp_group)
         run.losses = lt.tolist()
         # the whole model, every stage at its final version, from the PS
-        load_params(full, client.pull(min_version=client.sync.pull_min_version(cfg.steps)))
-        acc = accuracy(model, x_te, y_te)
-        save_model(cfg, rank, model)
-        res = run.result(final_test_accuracy=acc, model_params=param_count(model),
-                         # a replica's samples are counted once, not once per stage, so the launch summary's sum is right
-                         samples=cfg.steps * cfg.batch_size / S,
-                         **comm_counters(client.stats.snapshot()), codec=cfg.codec, final_codec=client.codec,
-                         extras=pipeline_extras(cfg, s, d, D, sum(p.numel() for _, p in own), list(mine._modules),
-                                                sum(pipe_s)))
-        res.server_stats = server_stats_when_done(client, rank)
-        return res.to_dict()
-    finally:
-        if client is not None:
-            client.close()
-        dist.destroy_process_group()
+        load_params(self.full, self.client.pull(min_version=self.client.sync.pull_min_version(cfg.steps)))
+        # a replica's samples are counted once, not once per stage, so the launch summary's sum is right
+        return dict(samples=cfg.steps * cfg.batch_size / S, **comm_counters(self.client.stats.snapshot()),
+                    codec=cfg.codec, final_codec=self.client.codec,
+                    extras=pipeline_extras(cfg, s, self.d, self.D, sum(p.numel() for _, p in self.own),
+                                           list(self.mine._modules), sum(self.pipe_s)))
 
-
-def run_worker(cfg: TrainConfig, args, security=None) -> dict:
-    """`deltaps worker --mode pipeline`: --servers, --rank, --world-size (= S x D), --master-addr/--master-port."""
-    rank, world, addr, port = env_rendezvous(args.rank, args.world_size, args.master_addr, args.master_port)
-    args.rank = rank
-    if not args.servers:
-        raise ValueError("mode pipeline needs --servers (the PS shards) and --master-addr/--master-port")
-    return train_pipeline(cfg, args.servers, rank, world, addr, port, security=security)
-
-
-# ---- reference: the same training in one process (tests/cluster/test_pipeline.py) --------------------------------
-def reference_sgd(cfg: TrainConfig, replicas: int) -> dict[str, torch.Tensor]:
-    """Plain SGD in one process on the same micro-batch sequence: per step, the gradient is the mean over
-    the `replicas` x M micro-batches of each micro-batch's mean loss. Returns make_mlp's state_dict."""
-    x_tr, y_tr, _, _ = load_digits_split(cfg.seed)
-    model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    its = [worker_batches(x_tr, y_tr, d, replicas, cfg.batch_size, cfg.seed) for d in range(replicas)]
-    for _ in range(cfg.steps):
-        opt.zero_grad()
-        for it in its:
-            xb, yb = next(it)
-            for xm, ym in zip(xb.tensor_split(cfg.microbatches), yb.tensor_split(cfg.microbatches)):
-                (F.cross_entropy(model(xm), ym) / (replicas * cfg.microbatches)).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    def report(self, result) -> None:
+        result.server_stats = server_stats_when_done(self.client, self.rank)

@@ -1,4 +1,6 @@
-"""The trainer one worker process runs: MLP on digits (or --workload clf) through the parameter servers."""
+"""`--mode ps`: every parameter on the shards, through a DistributedOptimizer — gradients every step, or
+parameter deltas every --local-steps (local updates, the shards' outer optimizer); the codec rollback switch
+(LossGuard) and a clean SIGTERM."""
 from __future__ import annotations
 
 import logging
@@ -6,21 +8,9 @@ import math
 import signal
 import threading
 
-import torch
-import torch.nn.functional as F
-
-from deltaps.config import TrainConfig
 from deltaps.errors import PSError
-from worker.trainers.base import (
-    RunRecorder,
-    adopt_server_params,
-    comm_counters,
-    distributed_optimizer,
-    save_model,
-)
-from worker.workloads import load_split
-from worker.workloads.digits import elastic_batches, worker_batches
-from worker.workloads.mlp import accuracy, make_mlp, param_count
+from worker.trainers.base import adopt_server_params, comm_counters, distributed_optimizer
+from worker.trainers.strategy import StepOutcome, Strategy, WorkerStopped, register
 
 log = logging.getLogger("deltaps.worker")
 
@@ -48,10 +38,6 @@ class LossGuard:
         return None
 
 
-class WorkerStopped(RuntimeError):
-    """The worker got SIGTERM and left the job cleanly (channels closed, no result)."""
-
-
 def _install_sigterm(opt) -> threading.Event:
     """SIGTERM: finish the current step (or abort it if it is stuck reconnecting), then stop."""
     stopping = threading.Event()
@@ -64,73 +50,91 @@ def _install_sigterm(opt) -> threading.Event:
     return stopping
 
 
-def _global_accuracy(opt, model, x, y) -> float:
-    with opt.global_model():
-        return accuracy(model, x, y)
+@register("ps")
+class ParameterServer(Strategy):
+    needs_servers = True
+    local_updates = True
 
+    @classmethod
+    def validate(cls, cfg, workload_cls) -> None:
+        super().validate(cfg, workload_cls)
+        cls.target_needs_bsp(cfg, workload_cls, "ps")
 
-def train_ps(cfg: TrainConfig, servers: list[str], rank: int, world_size: int, metrics=None,
-             security=None) -> dict:
-    """Train for cfg.steps, then evaluate the servers' final parameters on the held-out split.
-    metrics: optional worker.metrics.WorkerMetrics fed once per step; security: deltaps.security.Security."""
-    torch.set_num_threads(1)
-    x_tr, y_tr, x_te, y_te = load_split(cfg.workload, cfg.seed)
-    model = make_mlp(x_tr.shape[1], cfg.hidden, cfg.layers, 10, cfg.seed)
-    opt = distributed_optimizer(cfg, model, servers, rank, world_size, security)
-    stopping = _install_sigterm(opt)
-    if opt.clock:
-        log.warning("worker %d joined a running job at step %d", rank, opt.clock)
-    if metrics is not None:
-        metrics.attach(opt)
-    if cfg.min_workers or cfg.max_workers:   # elastic: the data follows the live set
-        batches = elastic_batches(x_tr, y_tr, rank, lambda: opt.client.live_workers, cfg.batch_size, cfg.seed)
-    else:
-        batches = worker_batches(x_tr, y_tr, rank, world_size, cfg.batch_size, cfg.seed)
-    fallbacks = []
-    guard = LossGuard(cfg.fallback_factor, cfg.fallback_warmup_steps, cfg.fallback_loss_floor)
-    run = RunRecorder(cfg, rank, f"worker {rank}", log)
-    for step in run.steps(first=opt.clock):
-        xb, yb = next(batches)
+    @property
+    def desc(self) -> str:
+        return f"worker {self.rank}"
+
+    def setup(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.model = self.workload.build_model()
+        self.opt = opt = distributed_optimizer(cfg, self.model, ctx.servers, ctx.rank, ctx.world_size, ctx.security)
+        self.closables.append(opt)
+        self.stopping = _install_sigterm(opt)
+        if opt.clock:
+            log.warning("worker %d joined a running job at step %d", self.rank, opt.clock)
+        if ctx.metrics is not None:
+            ctx.metrics.attach(opt)
+        self.fallbacks: list[dict] = []
+        self.guard = LossGuard(cfg.fallback_factor, cfg.fallback_warmup_steps, cfg.fallback_loss_floor)
+
+    @property
+    def first_step(self) -> int:
+        return self.opt.clock      # a worker (re)joining a running job starts at the job's step
+
+    def batches(self):
+        cfg, opt = self.cfg, self.opt
+        live = (lambda: opt.client.live_workers) if cfg.min_workers or cfg.max_workers else None  # elastic
+        return self.workload.batches(self.rank, self.ctx.world_size, live=live)
+
+    def train_step(self, run, step: int, batch) -> StepOutcome:
+        opt = self.opt
         wire0 = opt.client.stats.snapshot().get("bytes_pushed_wire", 0)
         timing0 = dict(opt.timing)
-        loss = F.cross_entropy(model(xb), yb)
+        loss = self.workload.loss(self.model, batch)
         opt.zero_grad()
-        reason = guard.check(loss.item()) if opt.client.codec != "none" else None
-        if reason:   # rollback switch: the whole job goes back to uncompressed gradients
-            log.warning("worker %d step %d: %s; switching codec %s -> none", rank, step, reason, opt.client.codec)
-            opt.client.set_codec("none")
-            fallbacks.append({"step": step, "reason": reason})
-            if metrics is not None:
-                metrics.on_fallback(reason)
+        self._rollback_check(step, loss.item())
         if math.isfinite(loss.item()):
             loss.backward()
         try:
             opt.step()  # a non-finite loss pushes zero gradients: the step is skipped, not poisoned
         except PSError:
-            if stopping.is_set():
-                break
-            raise
-        if stopping.is_set():
-            break
+            if not self.stopping.is_set():
+                raise
+        if self.stopping.is_set():   # SIGTERM: leave without the end-of-job barriers; the shards evict us
+            log.warning("worker %d: SIGTERM at step %d; closing channels and exiting", self.rank, opt.clock)
+            raise WorkerStopped(f"worker {self.rank} stopped by SIGTERM at step {opt.clock}")
         run.comm_since(opt.timing, timing0)
-        step_s = run.record(loss.item(), wire_bytes=opt.client.stats.snapshot().get("bytes_pushed_wire", 0) - wire0)
-        if metrics is not None:
-            metrics.on_step(step_s, loss.item(), len(yb))
-        # the global model (what step() pulled; local-update jobs: the shards' model as last pulled); may end
-        # the loop (bsp only: the same model, and decision, on every rank)
-        run.evaluate(lambda: _global_accuracy(opt, model, x_te, y_te), synced=opt.synced)
-    if stopping.is_set():   # SIGTERM: leave without the end-of-job barriers; the shards evict us
-        log.warning("worker %d: SIGTERM at step %d; closing channels and exiting", rank, opt.clock)
-        opt.close()
-        raise WorkerStopped(f"worker {rank} stopped by SIGTERM at step {opt.clock}")
-    adopt_server_params(opt, flush=run.steps_to_target is None)
-    acc = accuracy(model, x_te, y_te)
-    save_model(cfg, rank, model)
-    result = run.result(final_test_accuracy=acc, model_params=param_count(model),
-                        **comm_counters(opt.client.stats.snapshot()), codec=cfg.codec, final_codec=opt.client.codec,
-                        codec_switches=opt.codec_switches, codec_fallbacks=fallbacks)
-    if rank == 0:
-        result.server_stats = opt.client.server_stats()
-    opt.client.barrier("exit")
-    opt.close()
-    return result.to_dict()
+        return StepOutcome(loss.item(), opt.client.stats.snapshot().get("bytes_pushed_wire", 0) - wire0)
+
+    def _rollback_check(self, step: int, loss: float) -> None:
+        """The rollback switch: the whole job goes back to uncompressed gradients when the loss goes bad."""
+        opt = self.opt
+        reason = self.guard.check(loss) if opt.client.codec != "none" else None
+        if reason:
+            log.warning("worker %d step %d: %s; switching codec %s -> none", self.rank, step, reason, opt.client.codec)
+            opt.client.set_codec("none")
+            self.fallbacks.append({"step": step, "reason": reason})
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.on_fallback(reason)
+
+    @property
+    def synced(self) -> bool:
+        return self.opt.synced      # bsp: every rank pulled the same global model (local updates: after a round)
+
+    def evaluate(self, step: int) -> dict:
+        with self.opt.global_model():   # what step() pulled; local-update jobs: the shards' model as last pulled
+            return self.workload.evaluate(self.model)
+
+    def finish(self, run) -> dict:
+        opt = self.opt
+        # a job stopped at the target keeps the shards' model that reached it (no flush of inner steps)
+        adopt_server_params(opt, flush=run.steps_to_target is None)
+        note = {"optimizer_note": f"server {self.cfg.optimizer} on every parameter, table included"}
+        return dict(**comm_counters(opt.client.stats.snapshot()), codec=self.cfg.codec, final_codec=opt.client.codec,
+                    codec_switches=opt.codec_switches, codec_fallbacks=self.fallbacks,
+                    extras=note if self.workload.has_embeddings else {})
+
+    def report(self, result) -> None:
+        if self.rank == 0:
+            result.server_stats = self.opt.client.server_stats()
+        self.opt.client.barrier("exit")

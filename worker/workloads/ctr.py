@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaps.embedding import TableSpec, dense_init, hash_uniform
+from worker.workloads.base import Workload, register
 
 DENSE = 13
 TEACHER_DIM = 8
@@ -141,3 +142,59 @@ def evaluate(model: nn.Module, data: CTRData) -> dict:
             "test_auc": auc(logits, y), "test_accuracy": ((logits > 0).float() == y).float().mean().item(),
             "oracle_auc": auc(p, y),
             "oracle_loss": F.binary_cross_entropy(p.float().clamp(1e-7, 1 - 1e-7), y).item()}
+
+
+@register("ctr")
+class CTR(Workload):
+    """The click-through task: the table and the MLP; races to a test AUC."""
+    description = "synthetic click-through model with a large embedding table"
+    metric, target_field, has_embeddings = "test_auc", "target_auc", True
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        super().validate(cfg)
+        if cfg.embedding_optimizer not in ("sgd", "adagrad", "adam"):
+            raise ValueError(f"unknown embedding optimizer {cfg.embedding_optimizer!r}; use sgd, adagrad or adam")
+        for name in ("embedding_rows", "embedding_dim", "embedding_fields"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.data = CTRData(cfg.embedding_rows, cfg.embedding_fields, cfg.zipf_a, cfg.seed)
+
+    def build_model(self, tables: str = "local") -> CTRModel:
+        cfg = self.cfg
+        return CTRModel(cfg.embedding_rows, cfg.embedding_dim, cfg.embedding_fields, cfg.hidden, cfg.layers, cfg.seed,
+                        materialize_table=tables != "remote", table_spec=table_spec(cfg), sparse=tables == "sparse")
+
+    def batch_at(self, rank: int, step: int) -> tuple:
+        """Step `step`'s batch of `rank` (a pure function of them: a strategy may look one step ahead)."""
+        ids, dense, y = self.data.batch(rank, step, self.cfg.batch_size)
+        return (ids, dense), y
+
+    def batches(self, rank: int, world_size: int, live=None):
+        step = 0
+        while True:
+            yield self.batch_at(rank, step)
+            step += 1
+
+    def criterion(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(output, target)
+
+    def evaluate(self, model: nn.Module) -> dict:
+        return evaluate(model, self.data)
+
+    def logical_params(self, model: nn.Module) -> int:
+        """The dense part plus the whole table (a placeholder where the table lives on the shards)."""
+        dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("emb"))
+        return dense + self.cfg.embedding_rows * self.cfg.embedding_dim
+
+    def result_extras(self, evaluation: dict) -> dict:
+        return ctr_extras(evaluation)
+
+
+def ctr_extras(ev: dict) -> dict:
+    """The click-through workload's own result keys: test AUC / loss, and the teacher's (the ceiling)."""
+    return {"final_test_auc": ev["test_auc"], "final_test_loss": ev["test_loss"], "oracle_auc": ev["oracle_auc"],
+            "oracle_loss": ev["oracle_loss"], "workload": "ctr"}

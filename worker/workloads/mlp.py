@@ -1,8 +1,14 @@
-"""Models for the bundled task: an MLP whose size is configurable (hidden width x depth)."""
+"""The MLP and the tabular-classification workloads that train it (digits, clf, ...): features -> class."""
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from worker.workloads.base import Workload
 
 
 def make_mlp(in_features: int = 64, hidden: int = 256, layers: int = 2, classes: int = 10, seed: int = 0) -> nn.Module:
@@ -20,9 +26,77 @@ def param_count(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
     acc = (model(x).argmax(1) == y).float().mean().item()
     model.train()
     return acc
+
+
+def standardised(x_tr, y_tr, x_te, y_te):
+    """A split's numpy arrays as tensors, features standardised with the training set's mean and std."""
+    mean, std = x_tr.mean(0), x_tr.std(0) + 1e-6
+    f = lambda a: torch.from_numpy(((a - mean) / std).astype(np.float32))  # noqa: E731
+    return f(x_tr), torch.from_numpy(y_tr), f(x_te), torch.from_numpy(y_te)
+
+
+def worker_batches(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, batch_size: int, seed: int):
+    """Endless batches from this worker's disjoint slice of the training set, reshuffled every epoch."""
+    idx = torch.arange(rank, len(x), world_size)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    while True:
+        perm = idx[torch.randperm(len(idx), generator=g)]
+        for i in range(0, len(perm) - batch_size + 1, batch_size):
+            b = perm[i:i + batch_size]
+            yield x[b], y[b]
+
+
+def elastic_batches(x: torch.Tensor, y: torch.Tensor, rank: int, live, batch_size: int, seed: int):
+    """worker_batches over the live set: this worker takes the slice of its position among live() (the
+    sorted worker ids the shards last reported), re-sliced whenever the live set changes."""
+    current, it, changes = None, None, 0
+    while True:
+        members = sorted(live())
+        if rank not in members:
+            members = sorted(set(members) | {rank})   # not yet (or no longer) reported live: count ourselves
+        if members != current:
+            current, changes = members, changes + 1
+            it = worker_batches(x, y, current.index(rank), len(current), batch_size, seed + 7919 * changes)
+        yield next(it)
+
+
+class TabularWorkload(Workload):
+    """An MLP (--hidden x --layers) on a standardised feature matrix; subclasses say where the data comes from
+    (`load_split(seed)` -> x_train, y_train, x_test, y_test tensors, float32 / int64)."""
+    sequential = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.x_tr, self.y_tr, self.x_te, self.y_te = self.load_split(cfg.seed)
+        self.classes = int(max(self.y_tr.max(), self.y_te.max())) + 1
+
+    @staticmethod
+    def load_split(seed: int):
+        raise NotImplementedError
+
+    def build_model(self, tables: str = "local") -> nn.Module:
+        if tables != "local":
+            raise ValueError(f"--workload {self.name} has no embedding tables to keep {tables}")
+        return make_mlp(self.x_tr.shape[1], self.cfg.hidden, self.cfg.layers, self.classes, self.cfg.seed)
+
+    def batches(self, rank: int, world_size: int, live: Callable[[], list[int]] | None = None):
+        cfg = self.cfg
+        src = (elastic_batches(self.x_tr, self.y_tr, rank, live, cfg.batch_size, cfg.seed) if live is not None
+               else worker_batches(self.x_tr, self.y_tr, rank, world_size, cfg.batch_size, cfg.seed))
+        for x, y in src:
+            yield (x,), y
+
+    def criterion(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target)
+
+    def evaluate(self, model: nn.Module) -> dict:
+        return {"test_accuracy": accuracy(model, self.x_te, self.y_te)}
+
+    def to(self, device: torch.device) -> TabularWorkload:
+        self.x_tr, self.y_tr, self.x_te, self.y_te = (t.to(device) for t in (self.x_tr, self.y_tr, self.x_te, self.y_te))
+        return self

@@ -1,0 +1,59 @@
+"""The one training loop: every mode (a Strategy) x every workload (a Workload) runs through `train`.
+
+Lifecycle of one worker run: threads (torch gets one intra-op thread per process: the ranks of a local
+cluster share the host's cores) -> the workload and the strategy from their registries -> the process group
+(collective strategies) -> setup -> `for step in run.steps()`: batch, train_step, record, metrics, evaluation
+off the clock (may end the job at the target) -> finish (the job's final model) -> final evaluation, saved
+model, result -> report (server stats, barriers) -> close, whatever happened.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from worker.trainers.base import RunRecorder, save_model
+from worker.trainers.collective import init_process_group
+from worker.trainers.context import RunContext
+from worker.trainers.strategy import check_job, strategy_class
+from worker.workloads import get_workload
+
+log = logging.getLogger("deltaps.worker")
+
+
+def train(cfg, ctx: RunContext) -> dict:
+    """Run one worker of the job `cfg` describes (its mode and workload); returns RunResult.to_dict()."""
+    check_job(cfg, ctx)
+    torch.set_num_threads(1)
+    workload = get_workload(cfg)
+    strategy = strategy_class(cfg.mode)(cfg, ctx, workload)
+    if strategy.collective:
+        init_process_group(cfg, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, strategy.backend())
+    try:
+        strategy.setup()
+        run = RunRecorder(cfg, ctx.rank, strategy.desc, log, metric=workload.metric, target_key=workload.target_field)
+        _steps(strategy, run, ctx)
+        fields = strategy.finish(run)
+        evaluation = workload.evaluate(strategy.model)
+        save_model(cfg, ctx.rank, strategy.model)
+        fields["extras"] = {**workload.result_extras(evaluation), **fields.get("extras", {})}
+        result = run.result(final_test_accuracy=evaluation["test_accuracy"],
+                            model_params=workload.logical_params(strategy.model), **fields)
+        strategy.report(result)
+        return result.to_dict()
+    finally:
+        strategy.close()
+        if strategy.collective and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _steps(strategy, run: RunRecorder, ctx: RunContext) -> None:
+    batches = strategy.batches()
+    for step in run.steps(first=strategy.first_step):
+        batch = next(batches)
+        out = strategy.train_step(run, step, batch)
+        step_s = run.record(out.loss, wire_bytes=out.wire_bytes, end=out.end)
+        if ctx.metrics is not None and out.loss is not None:
+            ctx.metrics.on_step(step_s, out.loss, len(batch[1]))
+        run.evaluate(lambda: strategy.evaluate(step)[run.metric], synced=strategy.synced)
