@@ -120,8 +120,8 @@ class TrainConfig:
     # ---- hybrid parallelism / embedding workload (worker/trainers/hybrid.py, docs/hybrid.md) ----
     workload: str = option(
         "mlp",
-        "model/data: mlp (digits MLP), clf (MLP on a synthetic 10-class task, 40k samples: slow enough to race "
-        "to an accuracy target) or ctr (synthetic click-through model with a large embedding table)")
+        "model and data: the name of a registered workload (worker/workloads/; docs/cli.md#workloads lists them; "
+        "default mlp, the digits MLP)")
     ps_params: str = option(
         "embedding",
         "hybrid mode: modules kept on the PS row-sparse: embedding (every nn.Embedding) or fnmatch patterns")

@@ -31,6 +31,7 @@ from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_report, netns
 from deltaps.tools.launch import free_port, stop_processes, summarize, tail_file, wait_port_file, wait_workers
 from worker.trainers.strategy import load_job
+from worker.workloads import available_workloads, workload_class
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
 
 IN_FEATURES, CLASSES = 64, 10
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="per-RPC / collective timeout, seconds")
-    p.add_argument("--workload", default=None, choices=["mlp", "clf", "ctr"],
+    p.add_argument("--workload", default=None, choices=available_workloads(),
                    help="mlp (digits MLP), clf (MLP on a synthetic 10-class task that takes hundreds of steps: the "
                         "time-to-accuracy race) or ctr (click-through model with a large embedding table); default ctr "
                         "when --modes has hybrid, else mlp")
@@ -360,7 +361,7 @@ def compare(args) -> dict:
     for m in report["modes"].values():      # ctr: hybrid against the DDP a user would run (sparse gradients)
         if sparse and "error" not in m:
             m["speedup_vs_ddp_sparse"] = sparse["median_step_s"] / m["median_step_s"]
-    bench_report.add_time_to_accuracy(report, args.target_auc if args.workload == "ctr" else args.target_accuracy)
+    bench_report.add_time_to_accuracy(report, getattr(args, workload_class(args.workload).target_field))
     return report
 
 

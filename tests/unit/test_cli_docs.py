@@ -59,3 +59,11 @@ def test_bad_flags_give_clear_errors(capsys):
     assert "unknown codec" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["worker", "--servers", "nohostport", "--rank", "0", "--world-size", "1"])
+
+
+def test_every_workload_has_its_docs_line():
+    from worker.workloads import available_workloads
+    section = CLI_DOC[CLI_DOC.index("#### Workloads"):]
+    section = section[:section.index("\n\n", section.index("- `"))]
+    documented = re.findall(r"^- `([a-z0-9_]+)` — ", section, re.M)
+    assert len(documented) == len(set(documented)) and set(documented) == set(available_workloads())

@@ -1,5 +1,11 @@
-"""Bundled workloads; importing this package registers them (see worker.workloads.base.get_workload)."""
-from worker.workloads import clf, ctr, digits  # noqa: F401
+"""Bundled workloads. Importing this package imports every module in it, and each workload module registers
+its class (`@register`, worker.workloads.base): a new workload is one new module here, nothing else to edit."""
+import importlib
+import pkgutil
+
 from worker.workloads.base import Workload, available_workloads, get_workload, register, workload_class
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["Workload", "available_workloads", "get_workload", "register", "workload_class"]
