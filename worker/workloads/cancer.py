@@ -1,0 +1,24 @@
+"""`--workload cancer`: scikit-learn's breast-cancer data (569 samples, 30 features, malignant / benign; no
+download) on the MLP — a small binary task, split stratified and seeded, standardised like digits."""
+from __future__ import annotations
+
+from worker.workloads.base import register
+from worker.workloads.mlp import TabularWorkload, standardised
+
+TEST_FRACTION = 0.25
+
+
+def load_cancer_split(seed: int = 0):
+    """(x_train, y_train, x_test, y_test) as tensors (float32 / int64); the split depends on the seed only."""
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_breast_cancer(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST_FRACTION, random_state=seed, stratify=y)
+    return standardised(x_tr, y_tr, x_te, y_te)
+
+
+@register("cancer")
+class BreastCancer(TabularWorkload):
+    description = "MLP on scikit-learn's breast-cancer data (30 features, 2 classes)"
+    load_split = staticmethod(load_cancer_split)
