@@ -8,8 +8,8 @@ pipeline replica d = r // S:
     ...
 
 * The workload's MLP (a sequential one: mlp, clf, ...; worker/workloads/mlp.py make_mlp) is cut into S
-  contiguous stages at Linear boundaries
-  (split_stages); parameter names keep the full model's names under a stage prefix: `stage1.2.weight`.
+  contiguous stages at Linear boundaries (split_stages); parameter names keep the full model's names under a
+  stage prefix: `stage1.2.weight`.
 * Within a replica, micro-batches flow forward and backward between stages over torch.distributed
   point-to-point (gloo send/recv on one process group per replica), driven by
   torch.distributed.pipelining: a PipelineStage per process and ScheduleGPipe or Schedule1F1B
