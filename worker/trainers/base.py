@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from deltaps.config import TrainConfig
+from worker.trainers.context import ClientOptions
 
 FINAL_LOSS_WINDOW = 20     # final_train_loss = mean of the last this-many logged step losses
 
@@ -70,11 +71,9 @@ def distributed_optimizer(cfg: TrainConfig, model, servers: list[str], rank: int
     from worker.optimizer import DistributedOptimizer
     outer = outer_optimizer_config(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum) if cfg.local_steps else None
     return DistributedOptimizer(local_optimizer(cfg, model.parameters()), model, servers=servers, rank=rank,
-                                world_size=world_size, sync=cfg.sync, codec=cfg.codec, pull_codec=cfg.pull_codec,
-                                compressor=make_compressor(cfg), chunk_bytes=cfg.chunk_bytes,
-                                max_message_bytes=cfg.max_message_bytes, bucket_bytes=cfg.bucket_bytes,
-                                timeout_s=cfg.timeout_s, security=security,
-                                reconnect_deadline_s=cfg.reconnect_deadline_s, replay_steps=cfg.replay_steps,
+                                world_size=world_size, codec=cfg.codec, pull_codec=cfg.pull_codec,
+                                compressor=make_compressor(cfg), bucket_bytes=cfg.bucket_bytes,
+                                **ClientOptions.from_config(cfg, security).kwargs(),
                                 min_workers=cfg.min_workers, max_workers=cfg.max_workers, buffers=cfg.buffer_sync,
                                 local_steps=cfg.local_steps, stream_fragments=cfg.stream_fragments, outer=outer,
                                 overlap_steps=None if cfg.overlap_steps < 0 else cfg.overlap_steps)
