@@ -12,7 +12,7 @@ gradient allreduce before step S, none after, + PeriodicModelAverager(period=H, 
 bench compare's `ddp:sparse` is no hook (deltaps.strategies.parse_mode_spec): DDP's default allreduce with the
 model's nn.Embedding tables sparse=True (--sparse-embeddings, the ctr workload); `--ddp-hook sparse` is refused.
 
-Bytes: each hook's payload per bucket is what it hands to allreduce (`payload_fn`); train_allreduce turns
+Bytes: each hook's payload per bucket is what it hands to allreduce (`payload_fn`); the allreduce strategy turns
 payload bytes into the ring figure 2(p-1)/p x payload, as for plain DDP.
 
 The loops never import this module: collective.register_timed_hook builds the hook here and runs it inside

@@ -14,7 +14,7 @@ Contract: a Workload is built once per worker from the job's TrainConfig (`get_w
   records and `target_field`'s target races to; larger is better);
 * `logical_params(model)`, `result_extras(evaluation)` — what the report says of the model.
 A workload owns its config rules (`validate`). Adding one: a module with `@register("name")` on the class,
-one import line in worker/workloads/__init__.py, its test, one docs line.
+its test, one docs line (the package imports every module in it).
 """
 from __future__ import annotations
 
