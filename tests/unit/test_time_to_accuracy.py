@@ -112,7 +112,7 @@ def test_evaluation_is_off_the_clock_and_stops_at_the_target(monkeypatch):
 
     def evaluate():
         clock.t += 5.0                                   # a slow evaluation: must not count
-        return next(accs)
+        return {"test_accuracy": next(accs)}
     body = []
     for step in run.steps():
         body.append(step)
@@ -134,7 +134,7 @@ def test_never_reaching_the_target_runs_every_step(monkeypatch):
     for _ in run.steps():
         clock.t += 1.0
         run.record(1.0)
-        run.evaluate(lambda: 0.1)
+        run.evaluate(lambda: {"test_accuracy": 0.1})
     d = run.result(final_test_accuracy=0.1, model_params=1).to_dict()
     assert d["steps"] == 4 and d["steps_to_target"] is None and d["time_to_target_s"] is None
     assert [e["step"] for e in d["evals"]] == [2, 4]
@@ -145,12 +145,26 @@ def test_never_reaching_the_target_runs_every_step(monkeypatch):
     assert "evals" not in off.result(final_test_accuracy=0.0, model_params=1).to_dict()
 
 
+def test_targets_are_counts_and_follow_the_metric_direction():
+    from worker.workloads import get_workload
+    from worker.workloads.base import Workload
+    clf = get_workload(load_config(None, {"workload": "clf"}))        # 1,000 test samples
+    assert float(torch.tensor(900 / 1000, dtype=torch.float32)) < 0.9    # why not a float fraction
+    assert clf.reaches({"test_correct": 900}, 0.9) and not clf.reaches({"test_correct": 899}, 0.9)
+    assert clf.reaches({"test_correct": 901}, 0.9005) is True and not clf.reaches({"test_correct": 900}, 0.9005)
+
+    class Loss(Workload):
+        metric, higher_is_better = "test_loss", False
+    loss = Loss(TrainConfig())
+    assert loss.reaches({"test_loss": 1.5}, 1.5) and not loss.reaches({"test_loss": 1.6}, 1.5)
+
+
 def test_a_due_evaluation_waits_for_a_synced_model(monkeypatch):
     run, clock = _recorder(monkeypatch, steps=10, eval_every=2)
     for step in run.steps():                             # local SGD with period 3: replicas agree every 3rd step
         clock.t += 1.0
         run.record(1.0)
-        run.evaluate(lambda: 0.5, synced=(step + 1) % 3 == 0)
+        run.evaluate(lambda: {"test_accuracy": 0.5}, synced=(step + 1) % 3 == 0)
     assert [e["step"] for e in run.evals] == [3, 6, 9]
 
 

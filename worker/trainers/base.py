@@ -195,7 +195,7 @@ class RunRecorder:
     `break` before `record()` are not counted. `evaluate()` after `record()` may end the loop (target reached)."""
 
     def __init__(self, cfg: TrainConfig, rank: int, desc: str, log: logging.Logger, metric: str = "test_accuracy",
-                 target_key: str = "target_accuracy"):
+                 target_key: str = "target_accuracy", reaches=None):
         self.cfg, self.rank, self.desc, self.log = cfg, rank, desc, log
         self.step_times: list[float] = []
         self.blocked_times: list[float] = []
@@ -214,6 +214,8 @@ class RunRecorder:
         self._eval_due = False
         # what the evaluations measure and the config field / result key of its target: the workload's
         self.metric, self.target_key, self.target = metric, target_key, getattr(cfg, target_key)
+        # reaches(evaluation, target): the workload's rule (direction; a fraction compared as a count)
+        self.reaches = reaches or (lambda evaluation, target: evaluation[metric] >= target)
 
     def steps(self, first: int = 0) -> Iterator[int]:
         """Steps first .. cfg.steps - 1 under a progress bar; wall_s covers the whole loop."""
@@ -266,12 +268,12 @@ class RunRecorder:
         """Seconds of the training loop so far, evaluations left out."""
         return time.perf_counter() - self._t_start - self.eval_s
 
-    def evaluate(self, accuracy_fn, synced: bool = True) -> bool:
-        """After `record()`: every cfg.eval_every steps evaluate `accuracy_fn()` (-> the workload's metric: test
-        accuracy, test AUC), timed apart from training. synced: every rank holds the same model now (DDP: always;
-        local SGD / PS local updates: right after an average); a due evaluation waits for the next synced step.
-        Returns True when this one reached the target (the workload's target field): `steps()` then ends the
-        loop."""
+    def evaluate(self, evaluation_fn, synced: bool = True) -> bool:
+        """After `record()`: every cfg.eval_every steps run `evaluation_fn()` (-> the workload's evaluation
+        dict, with the metric: test accuracy, test AUC, ...), timed apart from training. synced: every rank
+        holds the same model now (DDP: always; local SGD / PS local updates: right after an average); a due
+        evaluation waits for the next synced step. Returns True when this one reached the target (the workload's
+        target field, judged by `reaches`): `steps()` then ends the loop."""
         every, done = self.cfg.eval_every, self._step + 1
         if not every:
             return False
@@ -281,14 +283,14 @@ class RunRecorder:
         self._eval_due = False
         t0 = time.perf_counter()
         train_s = t0 - self._t_start - self.eval_s
-        acc = float(accuracy_fn())
+        evaluation = evaluation_fn()
         self.eval_s += time.perf_counter() - t0
-        self.evals.append({"step": done, "time_s": train_s, self.metric: acc})
+        self.evals.append({"step": done, "time_s": train_s, **evaluation})
         if self.cfg.log_every:
             self.log.info("worker %d step %d %s %.4f (%.2f s of training)", self.rank, done,
-                          self.metric.replace("_", " "), acc, train_s)
+                          self.metric.replace("_", " "), evaluation[self.metric], train_s)
         target = self.target
-        if target and self.steps_to_target is None and acc >= target:
+        if target and self.steps_to_target is None and self.reaches(evaluation, target):
             self.steps_to_target, self.time_to_target_s = done, train_s
             return True
         return False

@@ -32,7 +32,8 @@ def train(cfg, ctx: RunContext) -> dict:
         init_process_group(cfg, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, strategy.backend())
     try:
         strategy.setup()
-        run = RunRecorder(cfg, ctx.rank, strategy.desc, log, metric=workload.metric, target_key=workload.target_field)
+        run = RunRecorder(cfg, ctx.rank, strategy.desc, log, metric=workload.metric, target_key=workload.target_field,
+                          reaches=workload.reaches)
         _steps(strategy, run, ctx)
         fields = strategy.finish(run)
         evaluation = workload.evaluate(strategy.model)
@@ -56,4 +57,4 @@ def _steps(strategy, run: RunRecorder, ctx: RunContext) -> None:
         step_s = run.record(out.loss, wire_bytes=out.wire_bytes, end=out.end)
         if ctx.metrics is not None and out.loss is not None:
             ctx.metrics.on_step(step_s, out.loss, len(batch[1]))
-        run.evaluate(lambda: strategy.evaluate(step)[run.metric], synced=strategy.synced)
+        run.evaluate(lambda: strategy.evaluate(step), synced=strategy.synced)

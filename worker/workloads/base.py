@@ -11,7 +11,8 @@ Contract: a Workload is built once per worker from the job's TrainConfig (`get_w
   elastic job (the data follows the live set);
 * `criterion(output, target)` / `loss(model, batch)` — the training loss (mean over the batch);
 * `evaluate(model)` — held-out figures: always `test_accuracy`, and `metric` (the figure --eval-every
-  records and `target_field`'s target races to; larger is better);
+  records and `target_field`'s target races to, in the direction `higher_is_better` says); `reaches(evaluation,
+  target)` — whether an evaluation reaches the target (a fraction of a test set is compared as a count);
 * `logical_params(model)`, `result_extras(evaluation)` — what the report says of the model.
 A workload owns its config rules (`validate`). Adding one: a module with `@register("name")` on the class,
 its test, one docs line (the package imports every module in it).
@@ -42,7 +43,8 @@ def get_workload(cfg) -> Workload:
 class Workload:
     name = ""
     description = ""                      # one line for --help and the bench header
-    metric = "test_accuracy"              # what evaluations during training measure (larger is better)
+    metric = "test_accuracy"              # what evaluations during training measure
+    higher_is_better = True               # the metric's direction (a loss: False)
     target_field = "target_accuracy"      # the TrainConfig field holding the target for `metric`
     has_embeddings = False                # a model with embedding tables (hybrid, ddp:sparse)
     sequential = False                    # the model is an nn.Sequential of layers (pipeline stages cut it)
@@ -77,6 +79,11 @@ class Workload:
 
     def evaluate(self, model: nn.Module) -> dict:
         raise NotImplementedError
+
+    def reaches(self, evaluation: dict, target: float) -> bool:
+        """Whether an evaluation reaches the race target, in the metric's direction."""
+        value = evaluation[self.metric]
+        return value >= target if self.higher_is_better else value <= target
 
     def to(self, device: torch.device) -> Workload:
         """Keep the data on `device` (a GPU rank of an NCCL job); no-op by default."""
