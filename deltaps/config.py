@@ -113,6 +113,10 @@ class TrainConfig:
         0.0,
         "stop at the first evaluation (--eval-every) reaching this test accuracy, or at --steps; every rank "
         "decides alike from the same model (not with --sync asp/ssp, where models differ per rank); 0 = off")
+    target_loss: float = option(
+        0.0,
+        "a workload racing to a held-out loss (--workload lm: test bits per byte): stop at the first evaluation "
+        "(--eval-every) at or below it, or at --steps; 0 = off")
     target_auc: float = option(
         0.0,
         "--workload ctr (--mode allreduce / hybrid): stop at the first evaluation (--eval-every) reaching this "
@@ -184,7 +188,10 @@ class TrainConfig:
         if self.eval_every < 0 or not 0.0 <= self.target_accuracy <= 1.0 or not 0.0 <= self.target_auc <= 1.0:
             raise ValueError(f"want --eval-every >= 0 and targets in [0, 1], got --eval-every {self.eval_every}, "
                              f"--target-accuracy {self.target_accuracy}, --target-auc {self.target_auc}")
-        for flag, target in (("--target-accuracy", self.target_accuracy), ("--target-auc", self.target_auc)):
+        if self.target_loss < 0:
+            raise ValueError(f"want --target-loss >= 0, got {self.target_loss}")
+        for flag, target in (("--target-accuracy", self.target_accuracy), ("--target-auc", self.target_auc),
+                             ("--target-loss", self.target_loss)):
             if target and not self.eval_every:
                 raise ValueError(f"{flag} needs --eval-every N (the evaluations that can reach it)")
 
