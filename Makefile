@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,peers]'
 	touch $(STAMP)
 
 # the one protoc recipe (protos/build.py; the Dockerfiles and the first import of `protos` run it too)

@@ -25,7 +25,8 @@ class TrainConfig:
     mode: str = option(
         "ps",
         "training mode: ps (parameter servers), allreduce (DDP ring-allreduce baseline), hybrid (embeddings "
-        "on the PS, rest allreduced) or pipeline (pipeline stages x data-parallel replicas via the PS)")
+        "on the PS, rest allreduced), pipeline (pipeline stages x data-parallel replicas via the PS) or torchft "
+        "(the peer: torchft's own DiLoCo / LocalSGD)")
     ddp_hook: str = option(
         "none",
         "allreduce mode (hybrid: its dense part, fp16 / bf16): DDP communication hook, as torch ships them: "
@@ -73,6 +74,11 @@ class TrainConfig:
         DEFAULT_OUTER[0],
         "local-update jobs: the shards' outer optimizer on the mean delta: avg (the new model is the mean of "
         "the local models), sgd (--outer-lr, heavy-ball --outer-momentum) or nesterov (DiLoCo's)")
+    torchft_algorithm: str = option(
+        "diloco",
+        "--mode torchft: torchft's DiLoCo (the outer optimizer on the averaged pseudo-gradient; Streaming DiLoCo with "
+        "--stream-fragments and --overlap-steps as its fragment delay) or localsgd (its model average every "
+        "--local-steps)")
     outer_lr: float = option(DEFAULT_OUTER[1], "local-update jobs: outer learning rate (sgd, nesterov; avg is lr 1)")
     outer_momentum: float = option(DEFAULT_OUTER[2], "local-update jobs: outer momentum (sgd, nesterov)")
     stream_fragments: int = option(

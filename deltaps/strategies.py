@@ -13,6 +13,10 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
                                         tau (docs/local-updates.md), the deltas through the codec
   hybrid[:fp16|bf16]                    embeddings row-sparse on the PS, the dense part allreduced (--workload
                                         ctr), optionally through the fp16 / bf16 hook
+  torchft:diloco:sync=H[:fragments=F][:delay=tau]
+                                        the peer: torchft's own DiLoCo (F > 1: Streaming DiLoCo, fragment delay
+                                        tau, default 0), the same outer optimizer settings as the ps-local modes
+  torchft:localsgd:sync=H               torchft's LocalSGD (the models averaged every H steps)
 `ModeSpec.overrides()` gives the TrainConfig fields a spec sets; `str(ModeSpec)` its canonical spelling
 (fp32 DDP is `allreduce`, as the cost model and `deltaps advise` name it). In a comma-separated list
 (`split_mode_specs`) an item with `=` and no `:` continues the previous spec (ps:topk:ratio=0.01,chunk=4096).
@@ -34,11 +38,14 @@ from dataclasses import dataclass, field
 __all__ = ["MODES", "FAMILIES", "MODE_FORMS", "HOOK_FORMS", "ModeSpec", "parse_mode_spec", "split_mode_specs",
            "ps_codecs", "HookSpec", "parse_ddp_hook", "POWERSGD_START", "LOCALSGD_START"]
 
-MODES = ("ps", "allreduce", "hybrid", "pipeline")     # TrainConfig.mode: the bare training modes
-FAMILIES = ("ddp", "ps", "hybrid")                    # what a mode spec names (bench compare runs these)
+MODES = ("ps", "allreduce", "hybrid", "pipeline", "torchft")     # TrainConfig.mode: the bare training modes
+FAMILIES = ("ddp", "ps", "hybrid", "torchft")         # what a mode spec names (bench compare runs these)
+PEER_FAMILIES = ("ddp", "torchft")                    # what users run instead of deltaps: the race's peers
 HALF_HOOKS = ("fp16", "bf16")                         # the hooks ddp:sparse's and hybrid's dense buckets take
 MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-asp:<codec>, "
-              "ps-local<H>[x<F>][o<tau>]:<codec> or hybrid[:fp16|bf16]")
+              "ps-local<H>[x<F>][o<tau>]:<codec>, hybrid[:fp16|bf16], torchft:diloco:sync=H[:fragments=F][:delay=tau] "
+              "or torchft:localsgd:sync=H")
+TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps"}
 LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?")
 
 POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
@@ -55,6 +62,7 @@ class ModeSpec:
     stream_fragments: int = 1            # ps-local<H>x<F>
     overlap_steps: int | None = None     # ps-local<H>o<tau> (None: TrainConfig's default, -1)
     ddp_hook: str | None = None          # ddp / hybrid: the canonical hook spec (None: DDP's default allreduce)
+    algorithm: str | None = None         # torchft: diloco | localsgd
     sparse_embeddings: bool = False      # ddp:sparse
     text: str = field(default="", compare=False)     # the spec as written
 
@@ -65,6 +73,9 @@ class ModeSpec:
             return {"mode": "allreduce", **({"sparse_embeddings": True} if self.sparse_embeddings else {}), **hook}
         if self.family == "hybrid":
             return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", **hook}
+        if self.family == "torchft":
+            return {"mode": "torchft", "sync": "bsp", "torchft_algorithm": self.algorithm, "local_steps": self.local_steps,
+                    "stream_fragments": self.stream_fragments, "overlap_steps": self.overlap_steps or 0}
         out = {"mode": "ps", "sync": self.sync, "codec": self.codec}
         if self.local_steps is not None:
             out.update(local_steps=self.local_steps, stream_fragments=self.stream_fragments,
@@ -77,6 +88,10 @@ class ModeSpec:
             return f"ddp:sparse{hook}" if self.sparse_embeddings else f"ddp{hook}" if hook else "allreduce"
         if self.family == "hybrid":
             return f"hybrid{hook}"
+        if self.family == "torchft":
+            extra = "".join(f":{k}={v}" for k, v in (("fragments", self.stream_fragments), ("delay", self.overlap_steps))
+                            if v and (k != "fragments" or v != 1))
+            return f"torchft:{self.algorithm}:sync={self.local_steps}{extra}"
         if self.local_steps is None:
             return f"{'ps-asp' if self.sync == 'asp' else 'ps'}:{self.codec}"
         fragments = f"x{self.stream_fragments}" if self.stream_fragments != 1 else ""
@@ -102,7 +117,26 @@ def parse_mode_spec(text: str) -> ModeSpec:
         if arg not in ("", *HALF_HOOKS):
             raise ValueError(f"mode {text!r}: hybrid takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
         return ModeSpec("hybrid", ddp_hook=arg or None, text=text)
+    if head == "torchft":
+        return _torchft_spec(arg, text)
     raise ValueError(f"unknown mode spec {text!r}; use {MODE_FORMS}")
+
+
+def _torchft_spec(arg: str, text: str) -> ModeSpec:
+    """`torchft:<algorithm>:sync=H[:fragments=F][:delay=tau]`."""
+    algorithm, _, rest = arg.partition(":")
+    if algorithm not in ("diloco", "localsgd"):
+        raise ValueError(f"mode {text!r}: torchft runs diloco or localsgd, e.g. torchft:diloco:sync=32")
+    fields = {}
+    for item in filter(None, rest.replace(",", ":").split(":")):
+        key, _, value = item.partition("=")
+        if key not in TORCHFT_KEYS or not value.isdigit() or (algorithm == "localsgd" and key != "sync"):
+            allowed = "sync=H" if algorithm == "localsgd" else "sync=H, fragments=F, delay=tau"
+            raise ValueError(f"mode {text!r}: torchft:{algorithm} takes {allowed} (integers), not {item!r}")
+        fields[TORCHFT_KEYS[key]] = int(value)
+    if "local_steps" not in fields:
+        raise ValueError(f"mode {text!r}: torchft:{algorithm} needs sync=H (a sync every H inner steps)")
+    return ModeSpec("torchft", algorithm=algorithm, text=text, **fields)
 
 
 def _ddp_fields(arg: str) -> dict:

@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     w.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="allreduce backend: auto = nccl with CUDA, else gloo")
     w.add_argument("--bucket-cap-mb", type=float, default=25.0, help="allreduce: DDP gradient bucket size, MiB")
+    w.add_argument("--lighthouse", default="", help="--mode torchft: the torchft Lighthouse's URL, e.g. "
+                   "http://10.0.0.1:29510 (default $TORCHFT_LIGHTHOUSE)")
     w.add_argument("--result-json", help="write this worker's measurements here")
     add_metrics_args(w)
     add_security_args(w, "client")
@@ -44,7 +46,8 @@ def worker_context(args, cfg):
         maybe_start_exporter(args, metrics.registry, f"deltaps worker rank={args.rank}")
     return RunContext(rank=args.rank, world_size=args.world_size, servers=args.servers or [],
                       master_addr=args.master_addr, master_port=args.master_port, backend=args.backend,
-                      bucket_cap_mb=args.bucket_cap_mb, security=Security.from_args(args, "client"), metrics=metrics)
+                      bucket_cap_mb=args.bucket_cap_mb, lighthouse=args.lighthouse,
+                      security=Security.from_args(args, "client"), metrics=metrics)
 
 
 def run(args) -> int:

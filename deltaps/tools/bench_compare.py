@@ -29,7 +29,7 @@ import yaml
 
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_report, netns
-from deltaps.tools.launch import free_port, stop_processes, summarize, tail_file, wait_port_file, wait_workers
+from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, summarize, tail_file, wait_port_file, wait_workers
 from worker.trainers.strategy import load_job
 from worker.workloads import available_workloads, workload_class
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
@@ -156,6 +156,10 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
             if cfg.mode == "hybrid":   # + the gloo rendezvous of the dense part
                 target += ["--master-addr", net.addr(worker_nodes[0]), "--master-port",
                            str(29500 if net.topo else free_port())]
+        elif cfg.mode == "torchft":    # torchft's Lighthouse on a shard node (torchft has no shards)
+            servers.append(start_lighthouse(net.addr(0), W, open(os.path.join(d, "lighthouse.log"), "w"),
+                                            net.prefix(0), 29510 if net.topo else None))
+            target = ["--lighthouse", servers[-1].url]
         else:
             port = 29500 if net.topo else free_port()
             target = ["--master-addr", net.addr(worker_nodes[0]), "--master-port", str(port)]

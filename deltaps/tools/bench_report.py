@@ -5,11 +5,13 @@ evaluates the test accuracy every N steps, timed apart from training (worker/tra
 run stops at the first evaluation that reaches the target. A mode's `time_to_target_s` is the largest over its
 ranks of the training seconds before that evaluation (the job has reached the target when its slowest rank has; the
 ranks stop at the same step by construction, so their figures differ only by clock skew between processes);
-`steps_to_target` is that step. `best_peer` is the fastest-to-target mode whose spec head is ddp or allreduce (what
+`steps_to_target` is that step. `best_peer` is the fastest-to-target mode whose spec is a peer's, ddp or torchft (what
 a user already runs); `speedup_vs_best_peer` / `speedup_vs_ddp` = that peer's (fp32 DDP's) time to target / the
 mode's, null when either never reached the target.
 """
 from __future__ import annotations
+
+from deltaps.strategies import PEER_FAMILIES, parse_mode_spec
 
 ACCURACY_FLAG = 0.005      # |final accuracy - fp32 DDP's| above this (0.5 points) is flagged: "!", red in the PNG
 
@@ -23,8 +25,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def is_peer(spec: str) -> bool:
-    """A DDP mode (plain or with a comm hook): what deltaps is raced against."""
-    return spec.strip().partition(":")[0] in ("ddp", "allreduce")
+    """A mode users run instead of deltaps (DDP plain or with a comm hook, torchft): what deltaps is raced against."""
+    return parse_mode_spec(spec).family in PEER_FAMILIES
 
 
 def metric_of(report_or_result: dict) -> str:

@@ -12,6 +12,7 @@ import time
 import yaml
 
 from deltaps.config import TrainConfig
+from worker.trainers.strategy import strategy_class
 
 
 def wait_port_file(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> int:
@@ -97,8 +98,9 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     py = [sys.executable, "-m", "deltaps"]
     servers, workers = [], []
     metrics_urls: list[str] = []
+    needs = strategy_class(cfg.mode)    # what the mode needs beside its workers: shards, a rendezvous, a Lighthouse
     try:
-        for i in range(cfg.servers if cfg.mode in ("ps", "hybrid", "pipeline") else 0):   # allreduce: no servers
+        for i in range(cfg.servers if needs.needs_servers else 0):
             log = open(os.path.join(tmp, f"server{i}.log"), "w")
             servers.append(subprocess.Popen(py + ["server", "--host", host, "--port", "0", "--shard-id", str(i),
                                                   "--num-shards", str(cfg.servers), "--port-file",
@@ -108,12 +110,14 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                                                   *security.server.argv("server"), *(server_args or [])],
                                             stdout=log, stderr=subprocess.STDOUT, env=child_env))
         addrs = [f"{host}:{wait_port_file(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
-        target = (["--servers", ",".join(addrs)] if cfg.mode == "ps"
-                  else ["--master-addr", host, "--master-port", str(free_port(host))])
-        if cfg.mode in ("hybrid", "pipeline"):   # shards + a gloo rendezvous (dense allreduce / stage p2p)
-            target = ["--servers", ",".join(addrs), "--master-addr", host, "--master-port", str(free_port(host))]
-        if not quiet and cfg.mode == "allreduce":
-            print(f"deltaps launch: allreduce (DDP) rendezvous at {host}:{target[-1]}; {cfg.workers} workers", flush=True)
+        target = ["--servers", ",".join(addrs)] if needs.needs_servers else []
+        if needs.collective:         # a gloo rendezvous (DDP, hybrid's dense allreduce, pipeline stages' p2p)
+            target += ["--master-addr", host, "--master-port", str(free_port(host))]
+        if needs.needs_lighthouse:
+            servers.append(start_lighthouse(host, cfg.workers, open(os.path.join(tmp, "lighthouse.log"), "w")))
+            target += ["--lighthouse", servers[-1].url]
+        if not quiet and not needs.needs_servers:
+            print(f"deltaps launch: {cfg.mode} ({' '.join(target)}); {cfg.workers} workers", flush=True)
         elif not quiet:
             print(f"deltaps launch: {cfg.servers} shards at {','.join(addrs)}; {cfg.workers} workers, "
                   f"sync={cfg.sync} codec={cfg.codec}", flush=True)
@@ -125,7 +129,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                       "--config", cfg_path, "--result-json", os.path.join(tmp, f"worker{r}.json"),
                       "--progress" if show else "--no-progress",
                       *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port")),
-                      *(security.client.argv("client") if cfg.mode in ("ps", "hybrid", "pipeline") else [])],
+                      *(security.client.argv("client") if needs.needs_servers else [])],
                 stdout=out, stderr=None if show else subprocess.STDOUT, env=child_env))
         if metrics:
             metrics_urls = [f"http://{host}:{wait_port_file(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
@@ -150,6 +154,21 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def start_lighthouse(host: str, replicas: int, log, prefix: list[str] = (), port: int | None = None) -> subprocess.Popen:
+    """torchft's Lighthouse (its own binary, from the torchft package) for `replicas` replica groups, bound to
+    host:port (a free one by default; prefix: e.g. `ip netns exec <ns>`); `.url` is where the Managers reach it."""
+    import shutil
+    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or shutil.which("torchft_lighthouse")
+    if binary is None:
+        raise ValueError("--mode torchft needs the torchft package (pip install 'deltaps[peers]'): no torchft_lighthouse")
+    port = port or free_port(host)
+    proc = subprocess.Popen([*prefix, binary, "--bind", f"{host}:{port}", "--min_replicas", str(replicas),
+                             "--join_timeout_ms", "100", "--quorum_tick_ms", "10"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    proc.url = f"http://{host}:{port}"
+    return proc
 
 
 def wait_workers(workers, timeout: float):

@@ -21,11 +21,13 @@ caller turn SIGTERM/SIGINT into exceptions so `finally`/`__exit__` runs (see ins
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ from deltaps.units import parse_rate, parse_time_ms
 
 PREFIX = "dpsb"
 SUBNET = "198.18.0"
+NETNS_ETC = "/etc/netns"          # per-namespace /etc files that `ip netns exec` bind-mounts
 
 def shaping_available() -> tuple[bool, str]:
     """(ok, reason): can this process build namespaces and shape links?"""
@@ -115,7 +118,18 @@ def _cleanup(prefix: str) -> dict:
         _run(["ip", "link", "del", name], check=False)
     for name in left["netns"]:
         _run(["ip", "netns", "del", name], check=False)
+    for path in glob.glob(os.path.join(NETNS_ETC, f"{prefix}-*")):
+        shutil.rmtree(path, ignore_errors=True)
     return left
+
+
+def host_name_here(ns: str, addr: str) -> None:
+    """Inside namespace `ns` (`ip netns exec` bind-mounts /etc/netns/<ns>/hosts), this machine's host name
+    resolves to the namespace's own address: programs that advertise gethostname() (gloo's default device,
+    torchft's Manager and checkpoint server) then reach each other as on separate hosts."""
+    os.makedirs(os.path.join(NETNS_ETC, ns), exist_ok=True)
+    with open(os.path.join(NETNS_ETC, ns, "hosts"), "w") as f:
+        f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
 
 
 class Topology:
@@ -178,6 +192,7 @@ class Topology:
             _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            host_name_here(ns, self.addr(i))
             for where, d in ((ns, dev), (br, peer)):      # egress of both ends = both directions
                 self._shape(where, d, netem)
         return self

@@ -59,6 +59,12 @@ EXPECTED = {   # what bench compare's parse_mode returned before the grammar mov
     "hybrid": {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr"},
     "hybrid:fp16": {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", "ddp_hook": "fp16"},
     "hybrid:bf16": {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", "ddp_hook": "bf16"},
+    "torchft:diloco:sync=32": {"mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco", "local_steps": 32,
+                               "stream_fragments": 1, "overlap_steps": 0},
+    "torchft:diloco:sync=32:fragments=4:delay=4": {"mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco",
+                                                   "local_steps": 32, "stream_fragments": 4, "overlap_steps": 4},
+    "torchft:localsgd:sync=8": {"mode": "torchft", "sync": "bsp", "torchft_algorithm": "localsgd", "local_steps": 8,
+                                "stream_fragments": 1, "overlap_steps": 0},
 }
 BAD = {   # spec -> what the message says besides the spec itself
     "horovod": "use ddp[:<hook>|:sparse[:fp16|bf16]]",
@@ -68,6 +74,10 @@ BAD = {   # spec -> what the message says besides the spec itself
     "ps-local8x:int8": "unknown mode spec",
     "pipeline": "unknown mode spec",
     "horovod:fp16": "unknown mode spec",
+    "torchft": "torchft runs diloco or localsgd",
+    "torchft:diloco": "needs sync=H",
+    "torchft:diloco:sync=8:tau=2": "takes sync=H, fragments=F, delay=tau",
+    "torchft:localsgd:sync=8:fragments=2": "takes sync=H (integers)",
     "ddp:int8": "unknown ddp hook 'int8'; use none, fp16, bf16, powersgd:rank=R",
     "ddp:fp8": "unknown ddp hook",
     "ddp:fp16:rank=2": "unexpected parameter",
@@ -104,13 +114,14 @@ def test_every_accepted_form_gives_the_same_overrides():
         if "ddp_hook" in got:                       # canonical hook specs parse to themselves
             assert str(parse_ddp_hook(got["ddp_hook"])) == got["ddp_hook"]
         spec = parse_mode_spec(text)
-        assert spec.text == text and spec.family in ("ddp", "ps", "hybrid")
+        assert spec.text == text and spec.family in ("ddp", "ps", "hybrid", "torchft")
         again = parse_mode_spec(str(spec))         # the canonical spelling names the same mode
         assert again == spec and again.overrides() == want, (text, str(spec))
     assert str(parse_mode_spec("ddp")) == "allreduce" and str(parse_mode_spec("ps")) == "ps:none"
     assert str(parse_mode_spec("ps-local8x1o2:int8")) == "ps-local8o2:int8"
     assert str(parse_mode_spec("allreduce:powersgd:rank=2")) == "ddp:powersgd:rank=2:start=10"
-    assert MODES == ("ps", "allreduce", "hybrid", "pipeline")
+    from worker.trainers.strategy import available_strategies
+    assert sorted(MODES) == available_strategies()      # the grammar's modes are the registered strategies
 
 
 def test_bad_specs_name_the_spec_and_the_accepted_forms():

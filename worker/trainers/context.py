@@ -16,6 +16,7 @@ class RunContext:
     master_port: int = 29500
     backend: str = "auto"                               # auto = nccl with CUDA, else gloo
     bucket_cap_mb: float = 25.0                         # DDP's gradient bucket size
+    lighthouse: str = ""                                # torchft's Lighthouse URL (--mode torchft)
     security: Any = None                                # deltaps.security.Security; None = from the environment
     metrics: Any = None                                 # worker.metrics.WorkerMetrics, fed once per step
 

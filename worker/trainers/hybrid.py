@@ -71,7 +71,7 @@ class Hybrid(Strategy):
         spec = table_spec(cfg)
         self.client = EmbeddingClient(ctx.servers, ctx.rank, ctx.world_size, [replace(spec, name=n) for n in self.names],
                                       **ClientOptions.from_config(cfg, ctx.security).kwargs())
-        self.closables.append(self.client)
+        self.closables.append(self.client.close)
         self.client.register()
         self.embs = replace_embeddings(model, self.names, self.client)
         self.ddp = DDP(model, bucket_cap_mb=ctx.bucket_cap_mb)

@@ -149,7 +149,7 @@ class Pipeline(Strategy):
         self.client = PSClient(ctx.servers, d, D, optimizer=OptimizerConfig.from_torch(local_optimizer(cfg, model.parameters())),
                                codec=cfg.codec, pull_codec=cfg.pull_codec, compressor=make_compressor(cfg),
                                **ClientOptions.from_config(cfg, ctx.security).kwargs())
-        self.closables.append(self.client)
+        self.closables.append(self.client.close)
         self.client.setup([(n, p.detach()) for n, p in self.full])
         self.staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in own}
         self.staging.update(self.client.pull(names=self.own_names, out=self.staging, delta=True))

@@ -68,7 +68,7 @@ class ParameterServer(Strategy):
         cfg, ctx = self.cfg, self.ctx
         self.model = self.workload.build_model()
         self.opt = opt = distributed_optimizer(cfg, self.model, ctx.servers, ctx.rank, ctx.world_size, ctx.security)
-        self.closables.append(opt)
+        self.closables.append(opt.close)
         self.stopping = _install_sigterm(opt)
         if opt.clock:
             log.warning("worker %d joined a running job at step %d", self.rank, opt.clock)

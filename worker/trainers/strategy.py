@@ -26,7 +26,8 @@ from worker.trainers.context import RunContext
 from worker.workloads.base import Workload
 
 # the built-in strategies register themselves on import (loaded on first lookup, as compression's codecs)
-BUILTIN = ("worker.trainers.ps", "worker.trainers.allreduce", "worker.trainers.hybrid", "worker.trainers.pipeline")
+BUILTIN = ("worker.trainers.ps", "worker.trainers.allreduce", "worker.trainers.hybrid", "worker.trainers.pipeline",
+           "worker.trainers.torchft_peer")
 STRATEGIES = Registry("mode", BUILTIN)
 register = STRATEGIES.register
 available_strategies = STRATEGIES.names
@@ -47,12 +48,13 @@ class Strategy:
     name = ""
     collective = False      # runs in a torch.distributed process group (the loop starts and ends it)
     needs_servers = False   # talks to the PS shards
+    needs_lighthouse = False  # a torchft Lighthouse (the launcher starts one)
 
     def __init__(self, cfg, ctx: RunContext, workload: Workload):
         self.cfg, self.ctx, self.workload = cfg, ctx, workload
         self.rank = ctx.rank
         self.model: torch.nn.Module | None = None
-        self.closables: list = []     # what setup opened (clients, optimizers with channels): closed last-first
+        self.closables: list = []     # close() of what setup opened (clients, managers): called last-first
 
     # ---- rules ----
     takes_ddp_hook = False  # --ddp-hook: its DDP part runs torch's comm hooks
@@ -132,7 +134,7 @@ class Strategy:
     def close(self) -> None:
         """Close what setup opened, whatever happened (also after a failed setup or a SIGTERM)."""
         while self.closables:
-            self.closables.pop().close()
+            self.closables.pop()()
 
 
 def check_job(cfg, ctx: RunContext | None = None) -> None:

@@ -1,0 +1,42 @@
+"""--mode torchft (worker/trainers/torchft_peer.py): torchft's own DiLoCo, run by real worker processes against a
+real Lighthouse (`deltaps launch` starts it), computes exactly what deltaps' local-update mode computes with the
+same inner and outer settings — the race's peers get the same outer optimizer, checked bit for bit."""
+import pytest
+import torch
+
+from deltaps.tools.launch import launch
+from worker.trainers.strategy import load_job
+
+pytest.importorskip("torchft", reason="torchft is the optional `peers` extra (make setup installs it)")
+
+JOB = dict(workers=2, servers=2, steps=24, local_steps=4, batch_size=32, hidden=64, layers=2, optimizer="adam",
+           lr=1e-3, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9, progress=False, timeout_s=30.0)
+
+
+def _run(tmp_path, **over) -> tuple[dict, dict]:
+    out = tmp_path / f"{over['mode']}.pt"
+    summary = launch(load_job(None, {**JOB, **over, "save_model": str(out)}), quiet=True)
+    return summary, torch.load(out)
+
+
+def test_torchft_diloco_is_deltaps_local_updates_with_the_same_outer_nesterov(tmp_path):
+    ft, ft_model = _run(tmp_path, mode="torchft")
+    ps, ps_model = _run(tmp_path, mode="ps")
+    assert ft_model.keys() == ps_model.keys()
+    diff = max((ft_model[k] - ps_model[k]).abs().max().item() for k in ft_model)
+    assert diff < 1e-6, diff                        # same rounds, same mean pseudo-gradient, same Nesterov
+    w = ft["per_worker"][0]
+    assert w["syncs"] == 6 and w["torchft_algorithm"] == "diloco" and w["fragments"] == 1
+    assert w["bytes_pushed_wire"] == 6 * sum(v.numel() * 4 for v in ft_model.values())   # ring 2(W-1)/W = 1
+    assert ft["final_test_accuracy"] == pytest.approx(ps["final_test_accuracy"])
+
+
+def test_rules_name_what_is_missing():
+    with pytest.raises(ValueError, match="needs --local-steps"):
+        load_job(None, {"mode": "torchft"})
+    with pytest.raises(ValueError, match="must divide --local-steps"):
+        load_job(None, {"mode": "torchft", "local_steps": 8, "stream_fragments": 3})
+    with pytest.raises(ValueError, match="no --stream-fragments"):
+        load_job(None, {"mode": "torchft", "local_steps": 8, "stream_fragments": 2, "torchft_algorithm": "localsgd"})
+    with pytest.raises(ValueError, match="--sync bsp"):
+        load_job(None, {"mode": "torchft", "local_steps": 8, "sync": "asp"})
