@@ -29,9 +29,10 @@ import yaml
 
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_report, netns
+from deltaps.tools.bench_seeds import merge
 from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, summarize, tail_file, wait_port_file, wait_workers
 from worker.trainers.strategy import load_job
-from worker.workloads import available_workloads, workload_class
+from worker.workloads import available_workloads, get_workload, workload_class
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
 
 IN_FEATURES, CLASSES = 64, 10
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1, help="run every mode with seeds --seed .. --seed + N - 1 (model "
+                   "init and data order), seed-major; each figure is the median over the seeds, time to target with "
+                   "its min-max range (deltaps/tools/bench_seeds.py)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-RPC / collective timeout, seconds")
     p.add_argument("--workload", default=None, choices=available_workloads(),
                    help="mlp (digits MLP), clf (MLP on a synthetic 10-class task that takes hundreds of steps: the "
@@ -94,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each mode stops at the first evaluation reaching this test accuracy (or at --steps); the "
                         "report leads with the time to reach it (needs --eval-every; 0 = off)")
     p.add_argument("--target-auc", type=float, default=0.0, help="--workload ctr: as --target-accuracy, test AUC")
+    p.add_argument("--target-loss", type=float, default=0.0,
+                   help="--workload lm: as --target-accuracy, on the test loss in bits per byte (reached at or below)")
     p.add_argument("--embedding-rows", type=int, default=1_000_000, help="ctr: embedding table rows")
     p.add_argument("--embedding-dim", type=int, default=64, help="ctr: embedding width")
     p.add_argument("--embedding-fields", type=int, default=8, help="ctr: categorical fields per sample")
@@ -229,40 +235,19 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
     return out
 
 
-def format_table(report: dict) -> str:
-    return format_table_ctr(report) if report.get("workload") == "ctr" else bench_report.format_table_mlp(report)
-
-
-def ddp_sparse_run(report: dict) -> dict | None:
-    """The successful ddp:sparse run of a ctr report (the embedding model's fair DDP peer; the one without a hook
-    when both ran), if any."""
-    runs = [(parse_mode_spec(s), m) for s, m in report["modes"].items() if m.get("median_step_s")]
-    runs = [(s, m) for s, m in runs if s.sparse_embeddings]
-    return min(runs, key=lambda sm: sm[0].ddp_hook is not None, default=(None, None))[1]
-
-
-def format_table_ctr(report: dict) -> str:
-    # + speed-ups against the embedding model's fair DDP peer, ddp:sparse (nn.Embedding(sparse=True)), if it ran;
-    # with a --target-auc the time-to-target columns lead (the best peer is then the fastest ddp* mode to it)
-    ref, timed = ddp_sparse_run(report), bool(report.get("target"))
-    cols = ["mode", *(bench_report.TIME_COLS if timed else []), *bench_report.STEP_COLS, "test AUC", "test logloss",
-            "max |Δloss| vs AR", "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
-    rows = []
-    for spec, m in report["modes"].items():
-        if "error" in m:
-            rows.append(bench_report.failed_row(spec, m, len(cols)))
-            continue
-        sp, dl = m.get("speedup_vs_allreduce"), m.get("loss_curve_max_abs_diff_vs_allreduce")
-        rows.append([spec, *(bench_report.time_cells(m) if timed else []), *bench_report.step_cells(m),
-                     f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
-                     "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
-                    + ([f"x{ref['median_step_s'] / m['median_step_s']:.2f}"] if ref else []))
-    return "\n".join([bench_report.table(cols, rows)] + ([bench_report.time_note(report)] if timed else []))
+def _model_params(base: dict) -> int:
+    """The model's parameter count, from the workload's own model (a table-less one: cheap to build)."""
+    workload = workload_class(base["workload"])
+    if workload.has_embeddings:
+        return 0       # the click-through report counts its table and dense part itself
+    return sum(p.numel() for p in get_workload(load_job(None, base)).build_model().parameters())
 
 
 def compare(args) -> dict:
     if args.servers is None:
         args.servers = args.workers
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     specs = split_mode_specs(args.modes)
     if len(set(specs)) != len(specs):
         raise ValueError("duplicate mode specs")
@@ -279,6 +264,7 @@ def compare(args) -> dict:
             "embedding_fields": args.embedding_fields, "embedding_optimizer": args.embedding_optimizer,
             "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
             "eval_every": args.eval_every, "target_accuracy": args.target_accuracy, "target_auc": args.target_auc,
+            "target_loss": args.target_loss,
             "outer_optimizer": args.outer_optimizer,
             **{k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None},
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
@@ -288,7 +274,8 @@ def compare(args) -> dict:
     report = {"workers": args.workers, "servers": args.servers, "bandwidth": args.bandwidth,
               "latency": args.latency, "shaped": False, "steps": args.steps, "batch_size": args.batch_size,
               "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "hidden": hidden, "layers": args.layers,
-              "model_params": mlp_params(hidden, args.layers), "host_cpus": os.cpu_count(),
+              "seeds": list(range(args.seed, args.seed + args.seeds)),
+              "model_params": _model_params(base), "host_cpus": os.cpu_count(),
               "network": {"notes": []}, "modes": {}, "workload": args.workload,
               "eval_every": args.eval_every}
     if args.workload == "ctr":
@@ -326,19 +313,21 @@ def compare(args) -> dict:
                 report["network"]["notes"].append(f"link throughput probe failed: {e}")
         net = _Net(topo)
         print(bench_report.header(report), flush=True)
-        for spec in specs:
-            print(f"-- running {spec} ...", flush=True)
+        runs: dict[str, list[dict]] = {spec: [] for spec in specs}
+        for seed, spec in ((seed, spec) for seed in report["seeds"] for spec in specs):
+            print(f"-- running {spec}{f' (seed {seed})' if args.seeds > 1 else ''} ...", flush=True)
             try:
-                report["modes"][spec] = run_mode(spec, base, args, net, tmp)
-                m = report["modes"][spec]
-                reached = "" if not (args.target_accuracy or args.target_auc) else (
+                m = run_mode(spec, {**base, "seed": seed}, args, net, os.path.join(tmp, f"seed{seed}"))
+                runs[spec].append({**m, "seed": seed})
+                reached = "" if not getattr(args, workload_class(args.workload).target_field) else (
                     f", target not reached in {m['steps']} steps" if m.get("time_to_target_s") is None else
                     f", target reached at step {m['steps_to_target']} after {m['time_to_target_s']:.2f} s")
-                print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, acc {m['final_test_accuracy'] * 100:.2f} %"
+                print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, test acc {m['final_test_accuracy'] * 100:.2f} %"
                       + reached, flush=True)
             except (RuntimeError, TimeoutError, OSError, ValueError) as e:
-                report["modes"][spec] = {"error": str(e)}
+                runs[spec].append({"error": str(e), "seed": seed})
                 print(f"   FAILED: {e}", file=sys.stderr, flush=True)
+        report["modes"] = {spec: merge(r) if args.seeds > 1 else r[0] for spec, r in runs.items()}
     finally:
         if topo:
             topo.down()
@@ -361,7 +350,7 @@ def compare(args) -> dict:
                 m["auc_delta_vs_allreduce"] = m["final_test_auc"] - ar["final_test_auc"]
     else:
         report["network"]["notes"].append("no successful allreduce run in this invocation: no speed-ups computed")
-    sparse = ddp_sparse_run(report)
+    sparse = bench_report.ddp_sparse_run(report)
     for m in report["modes"].values():      # ctr: hybrid against the DDP a user would run (sparse gradients)
         if sparse and "error" not in m:
             m["speedup_vs_ddp_sparse"] = sparse["median_step_s"] / m["median_step_s"]
@@ -378,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print()
     print(bench_report.header(report))
-    print(format_table(report))
+    print(bench_report.format_table(report))
     print("speed-up = allreduce median step / mode median step (same invocation); "
           "sent/step = bytes one worker sends per step (app level); veth tx/step = measured on the worker's link")
     if args.json:

@@ -12,6 +12,8 @@ mode's, null when either never reached the target.
 from __future__ import annotations
 
 from deltaps.strategies import PEER_FAMILIES, parse_mode_spec
+from deltaps.tools.bench_seeds import range_text
+from worker.workloads import workload_class
 
 ACCURACY_FLAG = 0.005      # |final accuracy - fp32 DDP's| above this (0.5 points) is flagged: "!", red in the PNG
 
@@ -30,13 +32,20 @@ def is_peer(spec: str) -> bool:
 
 
 def metric_of(report_or_result: dict) -> str:
-    """The quality metric a run races on: test AUC for the click-through workload, else test accuracy."""
-    return "test_auc" if report_or_result.get("workload") == "ctr" else "test_accuracy"
+    """The quality metric a run races on: its workload's (test AUC for ctr, bits per byte for lm); test accuracy
+    for a result that names no workload (the tabular ones)."""
+    name = report_or_result.get("workload")
+    return workload_class(name).metric if name else "test_accuracy"
+
+
+def lower_is_better(report: dict) -> bool:
+    name = report.get("workload")
+    return bool(name) and not workload_class(name).higher_is_better
 
 
 def metric_label(report: dict) -> str:
-    """metric_of in words: 'test AUC' / 'test accuracy'."""
-    return "test AUC" if metric_of(report) == "test_auc" else "test accuracy"
+    """metric_of in words: 'test AUC', 'test accuracy', 'test bits per byte'."""
+    return metric_of(report).replace("_", " ").replace(" auc", " AUC")
 
 
 def eval_fields(results: list[dict]) -> dict:
@@ -107,13 +116,14 @@ def failed_row(spec: str, m: dict, ncols: int) -> list[str]:
 def time_cells(m: dict) -> list[str]:
     """The time-to-target columns of a mode (TIME_COLS)."""
     t = m.get("time_to_target_s")
-    return [f"{t:.2f} s" if t is not None else "not reached", m.get("steps_to_target") or "—",
+    return [(f"{t:.2f} s" if t is not None else "not reached") + range_text(m), m.get("steps_to_target") or "—",
             _x(m.get("speedup_vs_best_peer")), _x(m.get("speedup_vs_ddp"))]
 
 
 def time_note(report: dict) -> str:
     metric = metric_label(report)
-    return (f"time to target = training seconds (evaluations excluded) until {metric} >= {report['target']:.4g}, "
+    reach = "<=" if lower_is_better(report) else ">="
+    return (f"time to target = training seconds (evaluations excluded) until {metric} {reach} {report['target']:.4g}, "
             f"largest over ranks; x vs best peer = best peer's ({report.get('best_peer') or 'none reached it'}) "
             f"time to target / mode's; x vs ddp = fp32 DDP's / mode's")
 
@@ -147,9 +157,17 @@ def model_line(report: dict) -> str:
         return (f"model: click-through, embedding {e['rows']:,} x {e['dim']} ({fmt_bytes(e['rows'] * e['dim'] * 4)}, "
                 f"{e['optimizer']} lr {e['lr']}), {e['fields']} Zipf({e['zipf_a']}) fields + 13 dense -> "
                 f"MLP {report['hidden']}x{report['layers']}; {report['model_params']:,} params")
-    data = " on clf (synthetic 10-class task)" if report.get("workload") == "clf" else ""
-    return (f"model: MLP 64-{report['hidden']}x{report['layers']}-10{data}, {report['model_params']:,} params "
+    name = report.get("workload") or "mlp"
+    workload = workload_class(name)
+    shape = (f"MLP {report['hidden']}x{report['layers']}" if workload.sequential else
+             f"{report['hidden']} wide x {report['layers']} layers")
+    return (f"model: {shape} on {workload.description} ({name}), {report['model_params']:,} params "
             f"({fmt_bytes(report['model_params'] * 4)} of fp32 gradient per step)")
+
+
+def seed_text(report: dict) -> str:
+    seeds = report.get("seeds") or [report["seed"]]
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]} (figures: medians over them)"
 
 
 def header(report: dict) -> str:
@@ -157,7 +175,7 @@ def header(report: dict) -> str:
     steps = f"{'up to ' if report.get('target') else ''}{report['steps']} steps"
     lines = [f"deltaps bench compare: {report['workers']} workers, {report['servers']} PS shards, "
              f"{steps} x batch {report['batch_size']}/worker, optimizer {report['optimizer']} "
-             f"lr {report['lr']}, seed {report['seed']}", model_line(report),
+             f"lr {report['lr']}, {seed_text(report)}", model_line(report),
              f"network: {net['description']}"]
     if report.get("eval_every"):
         metric = metric_label(report)
@@ -238,3 +256,34 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def format_table(report: dict) -> str:
+    return format_table_ctr(report) if report.get("workload") == "ctr" else format_table_mlp(report)
+
+
+def ddp_sparse_run(report: dict) -> dict | None:
+    """The successful ddp:sparse run of a ctr report (the embedding model's fair DDP peer; the one without a hook
+    when both ran), if any."""
+    runs = [(parse_mode_spec(s), m) for s, m in report["modes"].items() if m.get("median_step_s")]
+    runs = [(s, m) for s, m in runs if s.sparse_embeddings]
+    return min(runs, key=lambda sm: sm[0].ddp_hook is not None, default=(None, None))[1]
+
+
+def format_table_ctr(report: dict) -> str:
+    # + speed-ups against the embedding model's fair DDP peer, ddp:sparse (nn.Embedding(sparse=True)), if it ran;
+    # with a --target-auc the time-to-target columns lead (the best peer is then the fastest ddp* mode to it)
+    ref, timed = ddp_sparse_run(report), bool(report.get("target"))
+    cols = ["mode", *(TIME_COLS if timed else []), *STEP_COLS, "test AUC", "test logloss",
+            "max |Δloss| vs AR", "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
+    rows = []
+    for spec, m in report["modes"].items():
+        if "error" in m:
+            rows.append(failed_row(spec, m, len(cols)))
+            continue
+        sp, dl = m.get("speedup_vs_allreduce"), m.get("loss_curve_max_abs_diff_vs_allreduce")
+        rows.append([spec, *(time_cells(m) if timed else []), *step_cells(m),
+                     f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
+                     "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
+                    + ([f"x{ref['median_step_s'] / m['median_step_s']:.2f}"] if ref else []))
+    return "\n".join([table(cols, rows)] + ([time_note(report)] if timed else []))

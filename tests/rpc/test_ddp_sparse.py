@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from deltaps.tools.bench_compare import format_table_ctr, parse_mode
+from deltaps.tools.bench_compare import parse_mode
+from deltaps.tools.bench_report import format_table_ctr
 from deltaps.tools.launch import free_port
 from worker.trainers.strategy import load_job as load_config
 from worker.workloads.ctr import CTRModel, table_spec

@@ -42,7 +42,7 @@ def get_workload(cfg) -> Workload:
 
 class Workload:
     name = ""
-    description = ""                      # one line for --help and the bench header
+    description = ""                      # its data in a few words, for the bench header
     metric = "test_accuracy"              # what evaluations during training measure
     higher_is_better = True               # the metric's direction (a loss: False)
     target_field = "target_accuracy"      # the TrainConfig field holding the target for `metric`

@@ -20,5 +20,5 @@ def load_cancer_split(seed: int = 0):
 
 @register("cancer")
 class BreastCancer(TabularWorkload):
-    description = "MLP on scikit-learn's breast-cancer data (30 features, 2 classes)"
+    description = "scikit-learn's breast-cancer data, 30 features, 2 classes"
     load_split = staticmethod(load_cancer_split)

@@ -32,5 +32,5 @@ def load_clf_split(seed: int = 0):
 
 @register("clf")
 class Clf(TabularWorkload):
-    description = "MLP on a synthetic 10-class task, 40k samples: slow enough to race to an accuracy target"
+    description = "a synthetic 10-class task, 40k samples"
     load_split = staticmethod(load_clf_split)

@@ -147,7 +147,7 @@ def evaluate(model: nn.Module, data: CTRData) -> dict:
 @register("ctr")
 class CTR(Workload):
     """The click-through task: the table and the MLP; races to a test AUC."""
-    description = "synthetic click-through model with a large embedding table"
+    description = "synthetic click-through data for a model with a large embedding table"
     metric, target_field, has_embeddings = "test_auc", "target_auc", True
 
     @classmethod

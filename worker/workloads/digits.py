@@ -17,5 +17,5 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
 
 @register("mlp")
 class Digits(TabularWorkload):
-    description = "digits MLP (scikit-learn's 8x8 digits, 10 classes)"
+    description = "scikit-learn's 8x8 digits, 10 classes"
     load_split = staticmethod(load_digits_split)

@@ -67,7 +67,7 @@ class ByteTransformer(nn.Module):
 
 @register("lm")
 class ByteLM(Workload):
-    description = "byte-level causal transformer on the standard library's source (bits per byte)"
+    description = "the standard library's source as bytes, for a byte-level causal transformer"
     metric, target_field, higher_is_better = "test_bits_per_byte", "target_loss", False
     eval_split = "test"
 

@@ -1,0 +1,44 @@
+"""`deltaps bench compare --seeds N`: every mode runs once per seed (model init and data order) in the same
+invocation, seed-major (all modes for the first seed, then the next: a drift of the host hits every mode alike),
+and a mode's figures are the medians over its seeds. Time to target: the median when every seed reached the
+target, else null ("not reached" — never a median of the seeds that happened to reach it), with the range
+(min, max) of the seeds that did; the speed-ups are then ratios of medians. Per-seed figures stay in `seeds`."""
+from __future__ import annotations
+
+import statistics
+
+PER_SEED = ("seed", "time_to_target_s", "steps_to_target", "median_step_s", "final_test_accuracy", "steps")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def merge(runs: list[dict]) -> dict:
+    """One mode's per-seed results (each with its `seed`) -> the mode's figures (see the module docstring)."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return {"error": f"{len(failed)} of {len(runs)} seeds failed; seed {failed[0]['seed']}: {failed[0]['error']}",
+                "seeds": [{k: r.get(k) for k in ("seed", "error")} for r in runs]}
+    out = dict(runs[0])      # curves and other non-numbers: the first seed's
+    for key, value in runs[0].items():
+        values = [r.get(key) for r in runs]
+        if _number(value) and all(_number(v) for v in values):
+            out[key] = statistics.median(values)
+    for key in ("time_to_target_s", "steps_to_target"):
+        reached = [r.get(key) for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(reached) if len(reached) == len(runs) else None
+        out[key.removesuffix("_s") + "_range" + ("_s" if key.endswith("_s") else "")] = (
+            [min(reached), max(reached)] if reached else None)
+    out["seeds"] = [{k: r.get(k) for k in PER_SEED} for r in runs]
+    return out
+
+
+def range_text(m: dict) -> str:
+    """' (min-max s)' of a merged mode's time to target; '' for a single seed."""
+    lo_hi = m.get("time_to_target_range_s")
+    if not lo_hi or len(m.get("seeds", ())) < 2:
+        return ""
+    reached = sum(s["time_to_target_s"] is not None for s in m["seeds"])
+    missed = f", {len(m['seeds']) - reached} missed" if reached < len(m["seeds"]) else ""
+    return f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f}{missed})"

@@ -1,0 +1,38 @@
+"""bench compare --seeds (deltaps/tools/bench_seeds.py): medians over seeds, time to target only when every seed
+reached it, its range, the per-seed figures kept; the report's table shows the range. No processes."""
+from deltaps.tools import bench_report as br
+from deltaps.tools.bench_seeds import merge
+
+
+def _run(seed, t, steps, step_ms, acc=0.9):
+    return {"seed": seed, "time_to_target_s": t, "steps_to_target": steps, "median_step_s": step_ms / 1e3,
+            "final_test_accuracy": acc, "steps": steps or 600, "samples_per_s": 100.0 * seed + 1, "mode": "ps",
+            "evals": [{"step": 10, "time_s": 0.1, "test_accuracy": acc}]}
+
+
+def test_medians_and_range_when_every_seed_reached():
+    m = merge([_run(0, 4.0, 300, 9.0), _run(1, 6.0, 340, 10.0), _run(2, 5.0, 320, 12.0)])
+    assert m["time_to_target_s"] == 5.0 and m["time_to_target_range_s"] == [4.0, 6.0]
+    assert m["steps_to_target"] == 320 and m["steps_to_target_range"] == [300, 340]
+    assert m["median_step_s"] == 0.010 and m["samples_per_s"] == 101.0       # every number: its median
+    assert m["mode"] == "ps" and m["evals"] == _run(0, 4.0, 300, 9.0)["evals"]   # the rest: the first seed's
+    assert [s["seed"] for s in m["seeds"]] == [0, 1, 2] and m["seeds"][1]["time_to_target_s"] == 6.0
+
+
+def test_a_seed_that_missed_makes_the_mode_not_reached():
+    m = merge([_run(0, 4.0, 300, 9.0), _run(1, None, None, 10.0), _run(2, 5.0, 320, 12.0)])
+    assert m["time_to_target_s"] is None and m["steps_to_target"] is None     # never a median of the lucky ones
+    assert m["time_to_target_range_s"] == [4.0, 5.0]
+    assert br.time_cells(m)[0] == "not reached (4.00-5.00, 1 missed)"
+
+
+def test_a_failed_seed_fails_the_mode_and_says_which():
+    m = merge([_run(0, 4.0, 300, 9.0), {"seed": 1, "error": "worker 2 failed"}])
+    assert m["error"].startswith("1 of 2 seeds failed; seed 1: worker 2 failed")
+
+
+def test_the_table_and_header_show_seeds_and_ranges():
+    m = merge([_run(0, 4.0, 300, 9.0), _run(1, 6.0, 340, 10.0), _run(2, 5.0, 320, 12.0)])
+    assert br.time_cells(m)[0] == "5.00 s (4.00-6.00)"
+    assert br.seed_text({"seed": 0, "seeds": [0, 1, 2]}) == "seeds 0-2 (figures: medians over them)"
+    assert br.seed_text({"seed": 3, "seeds": [3]}) == "seed 3"
