@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test test-unit lint bench bench-peers proto clean prometheus kubectl advise-validate
+.PHONY: setup demo test test-unit lint bench bench-peers bench-peers-quick proto clean prometheus kubectl advise-validate
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -68,12 +68,20 @@ bench: setup
 # accuracy on the clf workload (MLP 64-768x2-10), at 1 Gbit/s and at 100 Mbit/s; ~14 minutes here, root for the
 # shaped links. BENCH_PEERS_EXTRA: more mode specs, comma-separated (the best deltaps local-update modes).
 BENCH_PEERS_EXTRA ?= ps-local8:int8,ps-local32:int8,ps-local32x4:int8,ps-local32x4o4:int8
-BENCH_PEERS_MODES = ddp,ddp:fp16,ddp:bf16,ddp:powersgd:rank=4,ddp:localsgd:period=8,ddp:localsgd:period=32,ps:int8,ps:topk:ratio=0.01,$(BENCH_PEERS_EXTRA)
+# torchft's own DiLoCo / Streaming DiLoCo (docs/compare.md#torchft-the-diloco-peer): the peer for slow links
+TORCHFT_PEERS = torchft:diloco:sync=8,torchft:diloco:sync=32,torchft:diloco:sync=32:fragments=2:delay=4,torchft:localsgd:sync=32
+BENCH_PEERS_MODES = ddp,ddp:fp16,ddp:bf16,ddp:powersgd:rank=4,ddp:localsgd:period=8,ddp:localsgd:period=32,$(TORCHFT_PEERS),ps:int8,ps:topk:ratio=0.01,$(BENCH_PEERS_EXTRA)
 bench-peers: setup
 	$(BIN)/deltaps bench compare --workers 4 --workload clf --eval-every 10 --target-accuracy 0.9 --steps 600 \
 		--bandwidth 1gbit --modes $(BENCH_PEERS_MODES) --json bench-peers-1gbit.json --plot bench-peers-1gbit.png
 	$(BIN)/deltaps bench compare --workers 4 --workload clf --eval-every 10 --target-accuracy 0.9 --steps 600 \
 		--bandwidth 100mbit --modes $(BENCH_PEERS_MODES) --json bench-peers-100mbit.json --plot bench-peers-100mbit.png
+
+# the race in a few minutes: one seed, clf, 100 Mbit/s, fp32 DDP, the best DDP hook and torchft peers, the best deltaps modes
+bench-peers-quick: setup
+	$(BIN)/deltaps bench compare --workers 4 --workload clf --eval-every 10 --target-accuracy 0.9 --steps 600 \
+		--bandwidth 100mbit --modes ddp,ddp:localsgd:period=32,torchft:diloco:sync=32,torchft:diloco:sync=32:fragments=2:delay=4,ps-local32:int8,ps-local32x4o4:int8 \
+		--json bench-peers-quick.json --plot bench-peers-quick.png
 
 # deltaps advise: predicted vs measured step time on the bench compare grid (2 and 4 workers x 100mbit,
 # 1gbit, 10gbit x 4 modes; needs root for the shaped namespaces; ~25 minutes; reports kept in /tmp/deltaps-advise-validate)
