@@ -197,3 +197,11 @@ def test_strategy_and_workload_methods_stay_short():
 def test_trainer_modules_stay_small():
     for path in TRAINERS.glob("*.py"):
         assert len(path.read_text().splitlines()) < 400, path.name
+
+
+def test_the_config_rules_name_no_workload():
+    """TrainConfig.validate keeps the config's own rules; a workload's live with it (Workload.validate)."""
+    import inspect
+    rules = [TrainConfig.validate, TrainConfig._validate_local_updates, TrainConfig._validate_eval]
+    for fn in rules:
+        assert "workload" not in inspect.getsource(fn), fn.__name__
