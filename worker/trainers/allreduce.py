@@ -45,6 +45,7 @@ from worker.trainers.base import local_optimizer, table_optimizer
 from worker.trainers.collective import (
     SparseHookState,
     check_ddp_hook,
+    check_table_model_hook,
     resolve_backend,
     ring_bytes,
     sparse_aware_hook,
@@ -58,7 +59,6 @@ log = logging.getLogger("deltaps.allreduce")
 
 TIMING_METHOD = ("ddp-comm-hook: blocked = backward return - last bucket ready; "
                  "wait = slowest rank's last-ready - mine (clipped); comm = blocked - wait")
-TABLE_HOOKS = ("none", "fp16", "bf16")     # what the dense buckets of a model with tables take
 
 
 def allreduce_extras(backend: str, bucket_cap_mb: float, grad_bytes_steps: list[int], world_size: int,
@@ -86,10 +86,9 @@ class Allreduce(Strategy):
     @classmethod
     def validate(cls, cfg, workload_cls) -> None:
         super().validate(cfg, workload_cls)
-        hook = check_ddp_hook(cfg.ddp_hook).split(":")[0]     # a bad --ddp-hook fails here, before the rendezvous
-        if workload_cls.has_embeddings and hook not in TABLE_HOOKS:
-            raise ValueError(f"--ddp-hook {cfg.ddp_hook}: the {workload_cls.name} model's dense buckets take fp16 or "
-                             f"bf16 (the embedding rows go their own way)")
+        check_ddp_hook(cfg.ddp_hook)     # a bad --ddp-hook fails here, before the rendezvous
+        if workload_cls.has_embeddings:
+            check_table_model_hook(cfg.ddp_hook, workload_cls.name)
         if cfg.sparse_embeddings and not workload_cls.has_embeddings:
             raise ValueError(f"--sparse-embeddings (ddp:sparse) needs a model with an embedding table (--workload "
                              f"ctr), not --workload {workload_cls.name}")

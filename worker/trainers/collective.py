@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from deltaps.strategies import HALF_HOOKS
 from worker.trainers.ddp_hooks import PeerHook, build_hook, parse_ddp_hook
 
 
@@ -130,6 +131,14 @@ def register_timed_hook(ddp, state: AllreduceHookState, ddp_hook: str = "none", 
 def check_ddp_hook(ddp_hook: str) -> str:
     """The canonical form of a --ddp-hook spec; ValueError naming the accepted specs if it is not one."""
     return str(parse_ddp_hook(ddp_hook))
+
+
+def check_table_model_hook(ddp_hook: str, workload_name: str) -> None:
+    """The dense buckets of a model with embedding tables (ddp:sparse, hybrid) take torch's fp16 / bf16 hook or
+    none: the rows go their own way (gloo's sparse allreduce, the shards)."""
+    if check_ddp_hook(ddp_hook).split(":")[0] not in ("none", *HALF_HOOKS):
+        raise ValueError(f"--ddp-hook {ddp_hook}: the {workload_name} model's dense buckets take fp16 or bf16 "
+                         f"(the embedding rows go their own way)")
 
 
 def server_stats_when_done(client, rank: int) -> list | None:

@@ -20,7 +20,13 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from worker.trainers.base import local_optimizer
-from worker.trainers.collective import AllreduceHookState, register_timed_hook, ring_bytes, server_stats_when_done
+from worker.trainers.collective import (
+    AllreduceHookState,
+    check_table_model_hook,
+    register_timed_hook,
+    ring_bytes,
+    server_stats_when_done,
+)
 from worker.trainers.context import ClientOptions
 from worker.trainers.strategy import StepOutcome, Strategy, register
 from worker.workloads.ctr import table_spec
@@ -30,7 +36,6 @@ log = logging.getLogger("deltaps.hybrid")
 HYBRID_TIMING_METHOD = ("hybrid: blocked = wait for the step's rows (bsp: requested during the previous step's "
                         "backward) + exposed dense allreduce (+ push wait, asp); wait = the part of the rows' wait "
                         "the shards spent at their BSP gate; comm = blocked - wait")
-DENSE_HOOKS = ("none", "fp16", "bf16")
 
 
 def hybrid_extras(ps_modules: list[str], sparse_stats: dict, dense_ring_bytes: int) -> dict:
@@ -55,10 +60,8 @@ class Hybrid(Strategy):
                              f"{workload_cls.name}")
         if cfg.sync not in ("bsp", "asp"):
             raise ValueError(f"hybrid mode supports --sync bsp or asp, not {cfg.sync}")
-        if (cfg.ddp_hook or "none").split(":")[0] not in DENSE_HOOKS:
-            raise ValueError(f"--ddp-hook {cfg.ddp_hook}: the click-through model's dense buckets take fp16 or bf16 "
-                             f"(the embedding rows go their own way)")
-        cls.target_needs_bsp(cfg, workload_cls, "hybrid")
+        check_table_model_hook(cfg.ddp_hook, workload_cls.name)
+        cls.target_needs_bsp(cfg, workload_cls)
 
     def setup(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -143,9 +146,9 @@ class Hybrid(Strategy):
         for e in self.embs.values():
             e.min_version = self._min_version(run.steps_to_target or self.cfg.steps)   # the table after the last step
         c = self.client.stats.snapshot()
-        sparse_sent, sparse_pulled = c.get("bytes_pushed_wire", 0), c.get("bytes_pulled_wire", 0)
-        return dict(bytes_pushed_wire=int(sparse_sent + self.ring_bytes), bytes_pushed_raw=int(sparse_sent + self.ring_bytes),
-                    bytes_pulled_wire=int(sparse_pulled + self.ring_bytes), codec=self.cfg.codec,
+        sent = int(c.get("bytes_pushed_wire", 0) + self.ring_bytes)
+        return dict(bytes_pushed_wire=sent, bytes_pushed_raw=sent,
+                    bytes_pulled_wire=int(c.get("bytes_pulled_wire", 0) + self.ring_bytes), codec=self.cfg.codec,
                     final_codec=self.cfg.codec, extras=hybrid_extras(self.names, c, self.ring_bytes))
 
     def report(self, result) -> None:

@@ -41,6 +41,7 @@ from worker.trainers.base import comm_counters, load_params, local_optimizer, ma
 from worker.trainers.collective import server_stats_when_done
 from worker.trainers.context import ClientOptions
 from worker.trainers.strategy import StepOutcome, Strategy, register
+from worker.workloads import available_workloads, workload_class
 
 log = logging.getLogger("deltaps.pipeline")
 
@@ -109,7 +110,8 @@ class Pipeline(Strategy):
     def validate(cls, cfg, workload_cls) -> None:
         super().validate(cfg, workload_cls)
         if not workload_cls.sequential:
-            raise ValueError(f"--mode pipeline cuts a stack of layers: use a workload with an MLP (mlp, clf), "
+            stacks = ", ".join(n for n in available_workloads() if workload_class(n).sequential)
+            raise ValueError(f"--mode pipeline cuts a stack of layers: use a workload with an MLP ({stacks}), "
                              f"not --workload {workload_cls.name}")
         if cfg.sync != "bsp":
             raise ValueError(f"--mode pipeline supports --sync bsp only, not {cfg.sync}")

@@ -58,7 +58,7 @@ class ParameterServer(Strategy):
     @classmethod
     def validate(cls, cfg, workload_cls) -> None:
         super().validate(cfg, workload_cls)
-        cls.target_needs_bsp(cfg, workload_cls, "ps")
+        cls.target_needs_bsp(cfg, workload_cls)
 
     @property
     def desc(self) -> str:

@@ -85,14 +85,14 @@ class Strategy:
             raise ValueError(f"mode {cls.name} needs {', '.join(missing[:-1])}{' and ' if len(missing) > 1 else ''}"
                              f"{missing[-1]}")
 
-    @staticmethod
-    def target_needs_bsp(cfg, workload_cls: type[Workload], mode: str) -> None:
+    @classmethod
+    def target_needs_bsp(cls, cfg, workload_cls: type[Workload]) -> None:
         """A race target stops every rank at the evaluation that reaches it: only under bsp do all ranks
         evaluate the same model (in a mode whose ranks train through the shards)."""
         target = getattr(cfg, workload_cls.target_field)
         if target and cfg.sync != "bsp":
             flag = "--" + workload_cls.target_field.replace("_", "-")
-            raise ValueError(f"{flag} needs --sync bsp in --mode {mode}: under {cfg.sync} every worker holds a "
+            raise ValueError(f"{flag} needs --sync bsp in --mode {cls.name}: under {cfg.sync} every worker holds a "
                              f"different model, so the ranks could not agree on when to stop without talking; "
                              f"--eval-every alone still records each rank's evaluations")
 

@@ -132,7 +132,7 @@ class TorchFT(Strategy):
                                        [outer_optimizer(cfg, f.parameters()) for f in self.parts],
                                        sync_every=cfg.local_steps, fragment_sync_delay=max(0, cfg.overlap_steps))
         self.synchronizer.__enter__()
-        self.sent, self._synced, self._t_inner = [], False, 0.0
+        self.sent, self._synced, self._t_inner = 0, False, 0.0
 
     def _inner_step_done(self, *_) -> None:
         self._t_inner = time.perf_counter()
@@ -150,7 +150,7 @@ class TorchFT(Strategy):
         if self._synced:
             part = self.parts[(syncs % len(self.parts))] if len(self.parts) > 1 else self.parts[0]
             wire = ring_bytes(sum(p.numel() * p.element_size() for p in part.parameters()), self.ctx.world_size)
-        self.sent.append(wire)
+        self.sent += wire
         return StepOutcome(loss.item(), wire)
 
     @property
@@ -181,7 +181,7 @@ class TorchFT(Strategy):
             self._adopt_global_model()       # the job's model is the global one, not a replica's inner steps since
         self.synchronizer.__exit__(None, None, None)
         self._hook.remove()
-        sent = sum(self.sent)
+        sent = self.sent
         return dict(bytes_pushed_wire=int(sent), bytes_pushed_raw=int(sent), bytes_pulled_wire=int(sent),
                     extras={"torchft_algorithm": self.cfg.torchft_algorithm, "sync_every": self.cfg.local_steps,
                             "fragments": len(self.parts), "fragment_sync_delay": max(0, self.cfg.overlap_steps),

@@ -34,10 +34,8 @@ workload_class = WORKLOADS.get
 
 
 def get_workload(cfg) -> Workload:
-    """The workload `cfg.workload` names, built for this job (its rules checked first)."""
-    cls = workload_class(cfg.workload)
-    cls.validate(cfg)
-    return cls(cfg)
+    """The workload `cfg.workload` names, built for this job (whose rules check_job has checked)."""
+    return workload_class(cfg.workload)(cfg)
 
 
 class Workload:

@@ -3,7 +3,7 @@ download) on the MLP — a small binary task, split stratified and seeded, stand
 from __future__ import annotations
 
 from worker.workloads.base import register
-from worker.workloads.mlp import TabularWorkload, standardised
+from worker.workloads.mlp import TabularWorkload, standardised_split
 
 TEST_FRACTION = 0.25
 
@@ -11,11 +11,7 @@ TEST_FRACTION = 0.25
 def load_cancer_split(seed: int = 0):
     """(x_train, y_train, x_test, y_test) as tensors (float32 / int64); the split depends on the seed only."""
     from sklearn.datasets import load_breast_cancer
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_breast_cancer(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST_FRACTION, random_state=seed, stratify=y)
-    return standardised(x_tr, y_tr, x_te, y_te)
+    return standardised_split(*load_breast_cancer(return_X_y=True), TEST_FRACTION, seed)
 
 
 @register("cancer")

@@ -10,7 +10,7 @@ The per-worker sharding is mlp.worker_batches.
 from __future__ import annotations
 
 from worker.workloads.base import register
-from worker.workloads.mlp import TabularWorkload, standardised
+from worker.workloads.mlp import TabularWorkload, standardised_split
 
 FEATURES, CLASSES = 64, 10
 TRAIN, TEST = 40_000, 1_000
@@ -21,13 +21,11 @@ TARGET_ACCURACY = 0.9            # ... and the target `make bench-peers` races t
 def load_clf_split(seed: int = 0):
     """(x_train, y_train, x_test, y_test) as tensors (float32 / int64); data and split depend on the seed only."""
     from sklearn.datasets import make_classification
-    from sklearn.model_selection import train_test_split
 
     x, y = make_classification(n_samples=TRAIN + TEST, n_features=FEATURES, n_informative=32, n_redundant=0,
                                n_classes=CLASSES, n_clusters_per_class=2, class_sep=1.6, flip_y=0.0,
                                random_state=seed)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=TEST, random_state=seed, stratify=y)
-    return standardised(x_tr, y_tr, x_te, y_te)
+    return standardised_split(x, y, TEST, seed)
 
 
 @register("clf")

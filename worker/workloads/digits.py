@@ -2,17 +2,13 @@
 from __future__ import annotations
 
 from worker.workloads.base import register
-from worker.workloads.mlp import TabularWorkload, standardised
+from worker.workloads.mlp import TabularWorkload, standardised_split
 
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
     """(x_train, y_train, x_test, y_test) as tensors; the split is stratified and seeded."""
     from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
-    return standardised(x_tr, y_tr, x_te, y_te)
+    return standardised_split(*load_digits(return_X_y=True), test_fraction, seed)
 
 
 @register("mlp")

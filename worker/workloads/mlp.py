@@ -39,8 +39,11 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return correct(model, x, y) / len(y)
 
 
-def standardised(x_tr, y_tr, x_te, y_te):
-    """A split's numpy arrays as tensors, features standardised with the training set's mean and std."""
+def standardised_split(x, y, test_size, seed: int):
+    """(x_train, y_train, x_test, y_test) tensors (float32 / int64) of numpy data: a stratified, seeded split,
+    features standardised with the training set's mean and std. test_size: a fraction or a count."""
+    from sklearn.model_selection import train_test_split
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_size, random_state=seed, stratify=y)
     mean, std = x_tr.mean(0), x_tr.std(0) + 1e-6
     f = lambda a: torch.from_numpy(((a - mean) / std).astype(np.float32))  # noqa: E731
     return f(x_tr), torch.from_numpy(y_tr), f(x_te), torch.from_numpy(y_te)
