@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test test-unit lint bench bench-peers bench-peers-quick proto clean prometheus kubectl advise-validate
+.PHONY: setup demo test test-unit lint bench bench-peers bench-peers-quick proto clean prometheus kubectl advise-validate gpu-check
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -87,6 +87,18 @@ bench-peers-quick: setup
 # 1gbit, 10gbit x 4 modes; needs root for the shaped namespaces; ~25 minutes; reports kept in /tmp/deltaps-advise-validate)
 advise-validate: setup
 	$(BIN)/python -m deltaps.tools.advise validate --workers 2,4 --bandwidths 100mbit,1gbit,10gbit --steps 30 --dir /tmp/deltaps-advise-validate
+
+# The GPU path end to end on a machine with a CUDA GPU (docs/gpu.md; ~5 minutes on one H200): the gpu extra
+# (cupy) unless a cupy build is already there, then one script (deltaps/tools/gpu_check.py: pytest -m gpu, bench
+# codecs on the GPU, GPU launches against CPU ones, NCCL ddp), everything in gpu-check/. GPU_PY: an interpreter that
+# already has a CUDA torch (a CUDA image's python3), used instead of .venv (whose torch comes from `make setup`).
+GPU_PY ?=
+GPU_CHECK_ARGS ?= --out gpu-check
+GPU_PYTHON = $(or $(GPU_PY),$(BIN)/python)
+gpu-check: $(if $(GPU_PY),,setup)
+	$(if $(GPU_PY),$(GPU_PY) -m pip install -q --no-build-isolation -e '.[check]')
+	$(GPU_PYTHON) -m deltaps.tools.gpu_check --cupy-present || $(GPU_PYTHON) -m pip install -q -e '.[gpu]'
+	$(GPU_PYTHON) -m deltaps.tools.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -53,8 +53,19 @@ class Codec:
         return None
 
     def accumulate(self, payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:
-        """out.view(-1) += alpha * decompress(payload). Sparse codecs override with a scatter-add."""
-        out.view(-1).add_(self.decompress(payload).view(-1).to(out.dtype), alpha=alpha)
+        """out.view(-1) += alpha * decompress(payload), decoded where `out` lives. Sparse codecs override with a
+        scatter-add."""
+        out.view(-1).add_(self.decompress_on(payload, out.device).view(-1).to(out.dtype), alpha=alpha)
+
+    decodes_on_device = False   # decompress(payload, out=<a GPU tensor>) decodes there: only the payload crosses
+
+    def decompress_on(self, payload: Payload, device: torch.device) -> torch.Tensor:
+        """decompress(payload) as a tensor on `device` (a GPU worker's error feedback, a GPU pull target)."""
+        if device.type == "cpu":
+            return self.decompress(payload)
+        if self.decodes_on_device:
+            return self.decompress(payload, out=torch.empty(payload.shape, device=device))
+        return self.decompress(payload).to(device)
 
     def spec(self) -> str:
         return self.name

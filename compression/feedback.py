@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from compression.base import Codec, Payload
-from compression.codecs.sparse import SparseCodec
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -37,10 +36,7 @@ class ErrorFeedback:
         g = self.fold(key, tensor)
         src = g.view(tensor.shape)
         payload = self.codec.compress(src if src.dtype == tensor.dtype else src.to(tensor.dtype), seed=seed, key=key)
-        if g.device.type == "cpu" or isinstance(self.codec, SparseCodec):
-            self.codec.accumulate(payload, g, alpha=-1.0)          # residual = g' - D(p), in place
-        else:
-            g.sub_(self.codec.decompress(payload).view(-1).to(g.device, g.dtype))
+        self.codec.accumulate(payload, g, alpha=-1.0)     # residual = g' - D(p), in place, decoded on g's device
         self._residual[key] = g
         return payload
 

@@ -14,6 +14,8 @@ import yaml
 from deltaps.optimizer_config import DEFAULT_OUTER
 from deltaps.units import parse_bytes
 
+DEVICES = ("auto", "cpu", "cuda")     # --device (worker/trainers/devices.py resolves them)
+
 
 def option(default, help: str, parse=None):   # noqa: A002 - argparse's own word
     """A config field with its help text and an optional value parser (applied to flags and YAML)."""
@@ -44,6 +46,11 @@ class TrainConfig:
     max_workers: int = option(
         0,
         "elastic job: workers with ids below this may join while it runs (0 = --workers: no joins)")
+    device: str = option(
+        "auto",
+        "where a worker trains: cpu, cuda (this worker's GPU: $LOCAL_RANK, else the rank modulo the GPUs; the PS "
+        "modes compress on it with CuPy, the shards stay on the CPU) or auto (cuda when torch sees a GPU); "
+        "--mode torchft and pipeline train on the CPU")
     steps: int = option(300, "training steps per worker")
     batch_size: int = option(32, "batch size per worker")
     optimizer: str = option("adam", "server-side optimizer: sgd or adam")
@@ -158,6 +165,8 @@ class TrainConfig:
         (worker.trainers.strategy.check_job)."""
         from deltaps.sync import parse_sync
         parse_sync(self.sync)
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
         self._validate_eval()
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use sgd or adam")

@@ -87,7 +87,7 @@ class LocalUpdates:
         deltas, sent, sq = {}, {}, 0.0
         for n in self.fragments[f]:
             p = self.params[n].detach().reshape(-1).to(torch.float32)
-            deltas[n] = staging[n] - p
+            deltas[n] = staging[n].to(p.device) - p      # on the model's device: a GPU worker compresses there
             sq += float(deltas[n].square().sum())
             if self.tau:
                 sent[n] = p.clone()
@@ -114,7 +114,8 @@ class LocalUpdates:
         with torch.no_grad():
             for f, (_, sent) in done.items():
                 for n in self.fragments[f]:
-                    p, g = self.params[n], d.staging[n].view_as(self.params[n])
+                    p = self.params[n]
+                    g = d.staging[n].to(p.device).view_as(p)
                     if sent:
                         p.add_(g - sent[n].view_as(p))   # p_now + (global - p_at_send)
                     else:

@@ -11,6 +11,7 @@ from compression.wire import check_payload, new_body, read_body
 
 class _CastCodec(Codec):
     wire_dtype = torch.float16
+    decodes_on_device = True
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
         x = flat(tensor)  # converted straight to the wire dtype (no double rounding)
@@ -32,7 +33,7 @@ class _CastCodec(Codec):
     def accumulate(self, payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:
         n = check_payload(payload)
         (vals,) = read_body(payload, [(self.wire_dtype, n)])
-        out.view(-1).add_(vals, alpha=alpha)
+        out.view(-1).add_(vals.to(out.device), alpha=alpha)
 
     def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int:
         return 2 * numel

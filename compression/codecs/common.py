@@ -54,12 +54,13 @@ def nchunks(n: int, chunk: int) -> int:
 def decode_target(payload: Payload, n: int, out: torch.Tensor | None):
     """float32 1-D buffer to decode into, and a finisher giving the tensor to return."""
     dt = value_dtype(payload)
-    if out is not None and (out.numel() != n or out.device.type != "cpu"):
-        raise CodecError(f"{payload.codec}: out has {out.numel()} elements on {out.device}, need {n} on cpu")
+    if out is not None and out.numel() != n:
+        raise CodecError(f"{payload.codec}: out has {out.numel()} elements, need {n}")
     if out is not None and out.dtype == torch.float32 and out.is_contiguous():
         flat = out.view(-1)
         return flat, lambda: out.view(payload.shape) if dt == torch.float32 else flat.to(dt).view(payload.shape)
-    flat = buffers.empty(n)
+    # decoding on a GPU: the decoded values stay there (only the payload sections cross)
+    flat = buffers.empty(n) if out is None or out.device.type == "cpu" else torch.empty(n, device=out.device)
 
     def finish():
         if out is not None:

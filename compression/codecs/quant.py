@@ -17,6 +17,8 @@ INV127 = float(np.float32(1.0 / 127.0))
 
 
 class _ChunkQuantCodec(Codec):
+    decodes_on_device = True
+
     def __init__(self, chunk: int = 4096):
         if not isinstance(chunk, int) or chunk < 1:
             raise CodecError(f"{self.name}: chunk must be a positive int, got {chunk!r}")
@@ -40,6 +42,7 @@ class _ChunkQuantCodec(Codec):
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         n, chunk, mult, q = self._read(payload)
         flat, finish = decode_target(payload, n, out)
+        mult, q = mult.to(flat.device), q.to(flat.device)     # a GPU target: the int8 body crosses, then decodes
         for a, b, r0, rows, w in chunk_blocks(n, chunk):
             ob = flat[a:b].view(rows, w)
             ob.copy_(q[a:b].view(rows, w)).mul_(mult[r0:r0 + rows, None])
@@ -50,7 +53,8 @@ class _ChunkQuantCodec(Codec):
         dst = out.view(-1)
         if dst.numel() != n:
             raise CodecError(f"{payload.codec}: accumulate into {dst.numel()} elements, payload has {n}")
-        tmp = torch.empty(min(n, max(buffers.BLOCK, chunk)))
+        mult, q = mult.to(dst.device), q.to(dst.device)
+        tmp = torch.empty(min(n, max(buffers.BLOCK, chunk)), device=dst.device)
         for a, b, r0, rows, w in chunk_blocks(n, chunk):
             t = tmp[:b - a].view(rows, w)
             t.copy_(q[a:b].view(rows, w)).mul_(mult[r0:r0 + rows, None])

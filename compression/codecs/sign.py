@@ -16,6 +16,7 @@ from compression.wire import check_payload, header_float, new_body, read_body
 class SignCodec(Codec):
     name = "sign"
     default_error_feedback = True
+    decodes_on_device = True
 
     def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int:
         return (numel + 7) // 8
@@ -38,11 +39,18 @@ class SignCodec(Codec):
         if scale < 0:
             raise CodecError(f"sign: header field 'scale'={scale} is negative")
         (bits,) = read_body(payload, [(torch.uint8, (n + 7) // 8)])
-        neg = torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little").view(np.bool_))
-        return n, scale, neg
+        return n, scale, bits
+
+    @staticmethod
+    def _negatives(bits: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+        """The sign bits as a bool mask on `device` (a GPU unpacks them itself: 1 bit per element crosses)."""
+        if device.type == "cpu":
+            return torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little").view(np.bool_))
+        shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        return ((bits.to(device)[:, None] >> shifts) & 1).view(-1)[:n].bool()
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
-        n, scale, neg = self._read(payload)
+        n, scale, bits = self._read(payload)
         flat, finish = decode_target(payload, n, out)
-        flat.fill_(scale).masked_fill_(neg, -scale)
+        flat.fill_(scale).masked_fill_(self._negatives(bits, n, flat.device), -scale)
         return finish()

@@ -86,6 +86,7 @@ class SparseCodec(Codec):
 
     default_error_feedback = True
     carries_indices = True
+    decodes_on_device = True    # indices decode on the host, the scatter runs where the target lives
 
     def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int:
         """Upper bound (exact for randk): values plus the worst-case index section."""
@@ -137,7 +138,7 @@ class SparseCodec(Codec):
             raise CodecError(f"{payload.codec}: out has {out.numel()} elements, need {n}")
         else:
             flat = out.view(-1).zero_()
-        flat.index_copy_(0, idx.long(), vals.to(flat.dtype))
+        flat.index_copy_(0, idx.long().to(flat.device), vals.to(flat.device, flat.dtype))
         return flat.view(payload.shape) if out is None else out
 
     def accumulate(self, payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:

@@ -27,6 +27,7 @@ import time
 
 import yaml
 
+from deltaps.config import DEVICES
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_report, netns
 from deltaps.tools.bench_seeds import merge
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedding-lr", type=float, default=0.05, help="ctr: table learning rate")
     p.add_argument("--zipf-a", type=float, default=1.1, help="ctr: Zipf exponent of the ids")
     p.add_argument("--ps-params", default="embedding", help="hybrid: modules on the PS (embedding or patterns)")
+    p.add_argument("--device", default="cpu", choices=DEVICES,
+                   help="where every mode's workers train (cpu; cuda: NCCL for ddp, one GPU per worker)")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespaces")
     p.add_argument("--netns-prefix", default=netns.PREFIX,
                    help="name prefix of the namespaces/links this run creates (and whose stale leftovers it removes)")
@@ -196,6 +199,7 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
         shares.append((r["compute_s"] / tot, r["comm_s"] / tot, r["wait_s"] / tot))
     out = {
         "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "ddp_hook": cfg.ddp_hook, "steps": steps,
+        "device": results[0].get("device", "cpu"), **({"backend": results[0]["backend"]} if "backend" in results[0] else {}),
         "median_step_s": s["median_step_s"], "mean_step_s": s["mean_step_s"], "wall_s": s["wall_s"],
         "samples_per_s": s["samples_per_s"],
         "compute_share": sum(x[0] for x in shares) / W, "comm_share": sum(x[1] for x in shares) / W,
@@ -259,7 +263,7 @@ def compare(args) -> dict:
     hidden = hidden_for_params(args.model_params, args.layers) if args.model_params else args.hidden
     base = {"workers": args.workers, "servers": args.servers, "steps": args.steps, "batch_size": args.batch_size,
             "hidden": hidden, "layers": args.layers, "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
-            "timeout_s": args.timeout, "progress": False, "workload": args.workload,
+            "timeout_s": args.timeout, "progress": False, "workload": args.workload, "device": args.device,
             "embedding_rows": args.embedding_rows, "embedding_dim": args.embedding_dim,
             "embedding_fields": args.embedding_fields, "embedding_optimizer": args.embedding_optimizer,
             "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
@@ -277,7 +281,7 @@ def compare(args) -> dict:
               "seeds": list(range(args.seed, args.seed + args.seeds)),
               "model_params": _model_params(base), "host_cpus": os.cpu_count(),
               "network": {"notes": []}, "modes": {}, "workload": args.workload,
-              "eval_every": args.eval_every}
+              "eval_every": args.eval_every, "device": args.device}
     if args.workload == "ctr":
         dense = (args.embedding_fields * args.embedding_dim + 13) * hidden + hidden
         dense += (args.layers - 1) * (hidden * hidden + hidden) + hidden + 1

@@ -192,7 +192,7 @@ def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> di
     steps = max(r.get("steps", cfg.steps) for r in results)   # fewer than cfg.steps when a target stopped the job
     return {
         "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "workers": cfg.workers, "servers": cfg.servers,
-        "steps": steps, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer, "lr": cfg.lr,
+        "device": r0.get("device", "cpu"), "steps": steps, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer, "lr": cfg.lr,
         "model_params": r0["model_params"],
         "final_test_accuracy": r0["final_test_accuracy"],
         "final_train_loss": mean("final_train_loss"),
@@ -216,7 +216,7 @@ def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> di
 def print_summary(s: dict) -> None:
     mb = 1 << 20
     print(f"\n== deltaps summary: mode={s['mode']} sync={s['sync']} codec={s['codec']} "
-          f"workers={s['workers']} servers={s['servers']} steps={s['steps']}")
+          f"workers={s['workers']} servers={s['servers']} steps={s['steps']} device={s['device']}")
     print(f"   final test accuracy : {s['final_test_accuracy'] * 100:.2f} %   (model params {s['model_params']:,})")
     print(f"   wall / step         : {s['wall_s']:.2f} s total, {s['mean_step_s'] * 1e3:.2f} ms mean step")
     tot = max(1e-12, s["compute_s"] + s["comm_s"] + s["wait_s"])

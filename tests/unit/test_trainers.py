@@ -17,7 +17,8 @@ from worker.workloads.ctr import ctr_extras
 ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = ROOT / "worker" / "trainers"
 STRATEGIES = ("ps.py", "allreduce.py", "hybrid.py", "pipeline.py", "torchft_peer.py")
-SHARED = ("worker.trainers.base", "worker.trainers.collective", "worker.trainers.context", "worker.trainers.strategy")
+SHARED = ("worker.trainers.base", "worker.trainers.collective", "worker.trainers.context", "worker.trainers.devices",
+          "worker.trainers.strategy")
 
 # The result keys each mode wrote before the RunResult refactor: none may disappear.
 COMMON = {"rank", "steps", "wall_s", "mean_step_s", "median_step_s", "compute_s", "comm_s", "wait_s",
@@ -158,7 +159,7 @@ def test_trainers_import_no_private_names_and_no_tools():
 
 
 def test_strategies_import_no_other_strategy():
-    """Strategies share base.py / collective.py / context.py / strategy.py, never each other."""
+    """Strategies share base.py / collective.py / context.py / devices.py / strategy.py, never each other."""
     for name in STRATEGIES:
         for node in ast.walk(_tree(name)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("worker.trainers."):

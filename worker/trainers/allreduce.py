@@ -33,8 +33,8 @@ the parameters on averaging steps, nothing on the others).
 """
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import time
 
 import torch
@@ -46,11 +46,11 @@ from worker.trainers.collective import (
     SparseHookState,
     check_ddp_hook,
     check_table_model_hook,
-    resolve_backend,
     ring_bytes,
     sparse_aware_hook,
     wrap_hook,
 )
+from worker.trainers.devices import backend_for, check_gpus_not_shared
 from worker.trainers.strategy import StepOutcome, Strategy, register
 
 __all__ = ["Allreduce", "allreduce_extras"]
@@ -81,7 +81,7 @@ def allreduce_extras(backend: str, bucket_cap_mb: float, grad_bytes_steps: list[
 @register("allreduce")
 class Allreduce(Strategy):
     collective = True
-    takes_ddp_hook = sparse_tables = True
+    takes_ddp_hook = sparse_tables = gpu = True
 
     @classmethod
     def validate(cls, cfg, workload_cls) -> None:
@@ -89,13 +89,20 @@ class Allreduce(Strategy):
         check_ddp_hook(cfg.ddp_hook)     # a bad --ddp-hook fails here, before the rendezvous
         if workload_cls.has_embeddings:
             check_table_model_hook(cfg.ddp_hook, workload_cls.name)
+        if workload_cls.has_embeddings and cfg.device == "cuda":
+            raise ValueError(f"--device cuda: --workload {workload_cls.name}'s tables train on the CPU in --mode "
+                             f"allreduce (gloo's sparse allreduce carries their rows); use --device cpu")
         if cfg.sparse_embeddings and not workload_cls.has_embeddings:
             raise ValueError(f"--sparse-embeddings (ddp:sparse) needs a model with an embedding table (--workload "
                              f"ctr), not --workload {workload_cls.name}")
 
+    @functools.cached_property
+    def device(self) -> torch.device:
+        # gloo's sparse allreduce carries the tables' rows: a model with tables stays on the CPU, on gloo
+        return torch.device("cpu") if self.workload.has_embeddings else super().device
+
     def backend(self) -> str:
-        # gloo's sparse allreduce carries the tables' rows: a model with tables stays on gloo
-        return "gloo" if self.workload.has_embeddings else resolve_backend(self.ctx.backend)
+        return backend_for(self.device, self.ctx.backend)
 
     @property
     def desc(self) -> str:
@@ -105,11 +112,8 @@ class Allreduce(Strategy):
     def setup(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
         cfg, ctx = self.cfg, self.ctx
-        self.device = torch.device("cpu")
         if self.backend() == "nccl":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK",
-                                                                  self.rank % max(1, torch.cuda.device_count()))))
-            torch.cuda.set_device(self.device)
+            check_gpus_not_shared(self.device, ctx.world_size, cfg.timeout_s)
         self.workload.to(self.device)
         self.model = model = self.workload.build_model("sparse" if cfg.sparse_embeddings else "local").to(self.device)
         tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]

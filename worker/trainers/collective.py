@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import time
 
-import torch
 import torch.distributed as dist
 
 from deltaps.strategies import HALF_HOOKS
@@ -22,12 +21,6 @@ from worker.trainers.ddp_hooks import PeerHook, build_hook, parse_ddp_hook
 def ring_bytes(grad_bytes: int, world_size: int) -> int:
     """Bytes each rank sends (and receives) in a ring allreduce of grad_bytes."""
     return int(2 * (world_size - 1) * grad_bytes // world_size) if world_size > 1 else 0
-
-
-def resolve_backend(backend: str = "auto") -> str:
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    return backend
 
 
 def init_process_group(cfg, rank: int, world_size: int, master_addr: str, master_port: int,

@@ -38,7 +38,8 @@ def train(cfg, ctx: RunContext) -> dict:
         fields = strategy.finish(run)
         evaluation = workload.evaluate(strategy.model)
         save_model(cfg, ctx.rank, strategy.model)
-        fields["extras"] = {**workload.result_extras(evaluation), **fields.get("extras", {})}
+        fields["extras"] = {"device": str(strategy.device), **workload.result_extras(evaluation),
+                            **fields.get("extras", {})}
         result = run.result(final_test_accuracy=evaluation["test_accuracy"],
                             model_params=workload.logical_params(strategy.model), **fields)
         strategy.report(result)

@@ -54,6 +54,7 @@ def _install_sigterm(opt) -> threading.Event:
 class ParameterServer(Strategy):
     needs_servers = True
     local_updates = True
+    gpu = True
 
     @classmethod
     def validate(cls, cfg, workload_cls) -> None:
@@ -62,11 +63,12 @@ class ParameterServer(Strategy):
 
     @property
     def desc(self) -> str:
-        return f"worker {self.rank}"
+        return f"worker {self.rank}" + (f" ({self.device})" if self.device.type != "cpu" else "")
 
     def setup(self) -> None:
         cfg, ctx = self.cfg, self.ctx
-        self.model = self.workload.build_model()
+        self.workload.to(self.device)
+        self.model = self.workload.build_model().to(self.device)   # a GPU model compresses on the GPU
         self.opt = opt = distributed_optimizer(cfg, self.model, ctx.servers, ctx.rank, ctx.world_size, ctx.security)
         self.closables.append(opt.close)
         self.stopping = _install_sigterm(opt)

@@ -17,12 +17,14 @@ Strategies register themselves (`@register`), as codecs do; the loop imports non
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from deltaps.registry import Registry
 from worker.trainers.context import RunContext
+from worker.trainers.devices import resolve_device
 from worker.workloads.base import Workload
 
 # the built-in strategies register themselves on import (loaded on first lookup, as compression's codecs)
@@ -60,6 +62,7 @@ class Strategy:
     takes_ddp_hook = False  # --ddp-hook: its DDP part runs torch's comm hooks
     local_updates = False   # --local-steps / --stream-fragments / --overlap-steps
     sparse_tables = False   # --sparse-embeddings
+    gpu = False             # --device cuda / auto puts its model on a GPU (else it trains on the CPU)
 
     @classmethod
     def validate(cls, cfg, workload_cls: type[Workload]) -> None:
@@ -69,6 +72,8 @@ class Strategy:
         if cfg.local_steps and not cls.local_updates:
             raise ValueError(f"--local-steps applies to --mode ps only, not {cls.name} (DDP's local SGD: "
                              f"--ddp-hook localsgd:period=H)")
+        if cfg.device == "cuda" and not cls.gpu:
+            raise ValueError(f"--device cuda applies to --mode ps / allreduce; --mode {cls.name} trains on the CPU")
         if cfg.sparse_embeddings and not cls.sparse_tables:
             raise ValueError(f"--sparse-embeddings (ddp:sparse) needs --mode allreduce --workload ctr (a model with an "
                              f"embedding table), not --mode {cls.name} --workload {workload_cls.name}")
@@ -97,6 +102,11 @@ class Strategy:
                              f"--eval-every alone still records each rank's evaluations")
 
     # ---- the run ----
+    @functools.cached_property
+    def device(self) -> torch.device:
+        """Where this rank's model trains (worker/trainers/devices.py)."""
+        return resolve_device(self.cfg.device, self.rank) if self.gpu else torch.device("cpu")
+
     def backend(self) -> str:
         """The process group's backend (collective strategies)."""
         return "gloo"

@@ -73,6 +73,9 @@ class Workload:
 
     def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
         inputs, target = batch
+        device = next(model.parameters()).device
+        if target.device != device:      # batches are made on the CPU; a GPU model takes them over
+            inputs, target = tuple(t.to(device, non_blocking=True) for t in inputs), target.to(device, non_blocking=True)
         return self.criterion(model(*inputs), target)
 
     def evaluate(self, model: nn.Module) -> dict:

@@ -89,6 +89,10 @@ class ByteLM(Workload):
             raise ValueError(f"--workload lm has no embedding tables to keep {tables}")
         return ByteTransformer(self.cfg.hidden, self.cfg.layers, self.cfg.seed)
 
+    def to(self, device: torch.device) -> ByteLM:
+        self.eval_windows = self.eval_windows.to(device)
+        return self
+
     def batches(self, rank: int, world_size: int, live=None):
         g = np.random.default_rng([self.cfg.seed, 1 + rank])      # every rank its own stream of windows
         while True:
