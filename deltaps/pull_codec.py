@@ -18,13 +18,16 @@ FULL, DELTA, UNCHANGED = 0, 1, 2
 # else int8. Sparse or 1-bit parameter deltas cost accuracy: `bench compare` on the 4.3M-parameter MLP,
 # 40 steps, lost 7.8 points with topk pushes + sign pulls vs +0.3 with int8 pulls.
 AUTO = {"none": "none", "fp16": "fp16", "bf16": "bf16"}
+# a round codec (local-update jobs) pulls as it pushes: the shard's view gives the down-link its error feedback
+ROUND_CODECS = ("chunktopk",)
 
 
 def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:
     """The pull codec in force for a given push codec ('auto' follows it, see AUTO)."""
     spec = (pull_codec or "auto").strip()
     if spec == "auto":
-        return AUTO.get(parse_spec(push_codec)[0], "int8")
+        name = parse_spec(push_codec)[0]
+        return get_codec(push_codec).spec() if name in ROUND_CODECS else AUTO.get(name, "int8")
     if get_codec(spec).stateful:
         raise CodecError(f"pull codec {spec!r} is stateful per sender; use e.g. int8, fp16, topk")
     return spec

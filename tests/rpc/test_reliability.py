@@ -11,6 +11,7 @@ import torch
 from conftest import run_threads
 from helpers import client, named
 
+from compression import Compressor
 from deltaps.errors import PSError
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.tools.launch import free_port
@@ -221,10 +222,11 @@ class _Restartable:
         self.start(shard)
 
 
-def _run(addr, steps, crash_at=None, srv=None, sync="bsp"):
+def _run(addr, steps, crash_at=None, srv=None, sync="bsp", codec="none"):
     params = named(5)
     cls = [client([addr], r, 2, sync=sync, opt=OptimizerConfig("adam", lr=0.01), chunk_bytes=2048,
-                  reconnect_deadline_s=20) for r in range(2)]
+                  reconnect_deadline_s=20, codec=codec, compressor=Compressor(codec, min_bytes=0))
+           for r in range(2)]
     cls[0].setup(params)
     cls[1].setup(params)
     gen = torch.Generator().manual_seed(1)
@@ -244,13 +246,14 @@ def _run(addr, steps, crash_at=None, srv=None, sync="bsp"):
     return final, sessions
 
 
-def test_shard_crash_after_acked_pushes_is_replayed_exactly_once(tmp_path):
+@pytest.mark.parametrize("codec", ["none", "chunktopk:density=0.05,chunk=64"])   # + a round codec's sparse sums
+def test_shard_crash_after_acked_pushes_is_replayed_exactly_once(tmp_path, codec):
     """Checkpoint every 4 steps; crash at step 10 (pushes of steps 8-9 acknowledged but only in memory)."""
     ref_srv = _Restartable(tmp_path / "ref", 4)
-    ref, _ = _run(ref_srv.addr, 14)
+    ref, _ = _run(ref_srv.addr, 14, codec=codec)
     ref_srv.crash()
     srv = _Restartable(tmp_path / "crash", 4)
-    got, sessions = _run(srv.addr, 14, crash_at=10, srv=srv)
+    got, sessions = _run(srv.addr, 14, crash_at=10, srv=srv, codec=codec)
     for n in ref:
         assert torch.equal(ref[n], got[n]), n          # bit-identical to the run without the crash
     assert all(s.restarts == 1 and s.replayed > 0 for s in sessions)
