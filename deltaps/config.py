@@ -127,6 +127,14 @@ class TrainConfig:
         0.0,
         "--workload ctr (--mode allreduce / hybrid): stop at the first evaluation (--eval-every) reaching this "
         "test AUC, or at --steps; 0 = off")
+    common_step: int = option(
+        0,
+        "with a target: keep training past it until step S, where an evaluation is due (at the first synced step "
+        "from S on), so every mode of a race has a metric at one common step; 0 = stop at the target")
+    eval_log: str = option(
+        "",
+        "append every evaluation during training to this JSON-lines file as it happens ({rank} is replaced by the "
+        "rank; bench compare's --time-cap watches it); empty = off")
     # ---- hybrid parallelism / embedding workload (worker/trainers/hybrid.py, docs/hybrid.md) ----
     workload: str = option(
         "mlp",
@@ -200,6 +208,10 @@ class TrainConfig:
                              ("--target-loss", self.target_loss)):
             if target and not self.eval_every:
                 raise ValueError(f"{flag} needs --eval-every N (the evaluations that can reach it)")
+        if not 0 <= self.common_step <= self.steps:
+            raise ValueError(f"want 0 <= --common-step <= --steps {self.steps}, got {self.common_step}")
+        if self.common_step and not self.eval_every:
+            raise ValueError("--common-step needs --eval-every N (the evaluations it waits for)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

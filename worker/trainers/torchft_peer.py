@@ -182,7 +182,9 @@ class TorchFT(Strategy):
         self.synchronizer.__exit__(None, None, None)
         self._hook.remove()
         sent = self.sent
+        # a ring allreduce receives what it sends; every sync is a round's (no initial or final full transfer)
+        steady = {"steady_bytes_moved": 2 * int(sent), "steady_rounds": self.manager.current_step() / len(self.parts)}
         return dict(bytes_pushed_wire=int(sent), bytes_pushed_raw=int(sent), bytes_pulled_wire=int(sent),
                     extras={"torchft_algorithm": self.cfg.torchft_algorithm, "sync_every": self.cfg.local_steps,
                             "fragments": len(self.parts), "fragment_sync_delay": max(0, self.cfg.overlap_steps),
-                            "syncs": self.manager.current_step(), "timing_method": TIMING_METHOD})
+                            "syncs": self.manager.current_step(), "timing_method": TIMING_METHOD, **steady})
