@@ -79,6 +79,14 @@ class TrainConfig:
         "--mode torchft: torchft's DiLoCo (the outer optimizer on the averaged pseudo-gradient; Streaming DiLoCo with "
         "--stream-fragments and --overlap-steps as its fragment delay) or localsgd (its model average every "
         "--local-steps)")
+    torchft_alpha: float = option(
+        0.0,
+        "--mode torchft diloco: torchft's fragment_update_alpha, in [0, 1] (0: a fragment takes the global "
+        "values after its sync; a > 0 keeps that share of the local ones)")
+    torchft_wire: str = option(
+        "fp32",
+        "--mode torchft diloco: the dtype the pseudo-gradients are allreduced in: fp32, fp16 or bf16 (cast before "
+        "the allreduce and back to the parameters' dtype before the outer step)")
     outer_lr: float = option(DEFAULT_OUTER[1], "local-update jobs: outer learning rate (sgd, nesterov; avg is lr 1)")
     outer_momentum: float = option(DEFAULT_OUTER[2], "local-update jobs: outer momentum (sgd, nesterov)")
     stream_fragments: int = option(
