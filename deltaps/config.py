@@ -135,6 +135,11 @@ class TrainConfig:
         0.0,
         "--workload ctr (--mode allreduce / hybrid): stop at the first evaluation (--eval-every) reaching this "
         "test AUC, or at --steps; 0 = off")
+    eval_split: str = option(
+        "test",
+        "what evaluations (and targets) measure: test, or validation — held out of the training data, never the "
+        "test set (tabular workloads: as many samples as the test set, stratified, no longer trained on; lm: its "
+        "validation files) — to choose hyper-parameters without looking at the test set")
     common_step: int = option(
         0,
         "with a target: keep training past it until step S, where an evaluation is due (at the first synced step "
@@ -216,6 +221,8 @@ class TrainConfig:
                              ("--target-loss", self.target_loss)):
             if target and not self.eval_every:
                 raise ValueError(f"{flag} needs --eval-every N (the evaluations that can reach it)")
+        if self.eval_split not in ("test", "validation"):
+            raise ValueError(f"--eval-split must be test or validation, got {self.eval_split!r}")
         if not 0 <= self.common_step <= self.steps:
             raise ValueError(f"want 0 <= --common-step <= --steps {self.steps}, got {self.common_step}")
         if self.common_step and not self.eval_every:

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-cap", type=float, default=None,
                    help="stop a mode once its training time passes X x the best peer's time to target in the same "
                         "seed (peers run first): 'not reached within the cap', never extrapolated")
+    p.add_argument("--select-on", choices=("test", "validation"), default="test",
+                   help="what every mode's evaluations (and the target) measure: test, or a validation split held out "
+                        "of the training data (to choose outer lr / momentum / H / tau / fragments; test untouched)")
     p.add_argument("--embedding-rows", type=int, default=1_000_000, help="ctr: embedding table rows")
     p.add_argument("--embedding-dim", type=int, default=64, help="ctr: embedding width")
     p.add_argument("--embedding-fields", type=int, default=8, help="ctr: categorical fields per sample")
@@ -276,6 +279,7 @@ def compare(args) -> dict:
             "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
             "eval_every": args.eval_every, "target_accuracy": args.target_accuracy, "target_auc": args.target_auc,
             "target_loss": args.target_loss, "common_step": args.common_step or 0,
+            "eval_split": args.select_on,
             "outer_optimizer": args.outer_optimizer,
             **{k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None},
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
@@ -288,7 +292,8 @@ def compare(args) -> dict:
               "seeds": list(range(args.seed, args.seed + args.seeds)),
               "model_params": _model_params(base), "host_cpus": os.cpu_count(),
               "network": {"notes": []}, "modes": {}, "workload": args.workload,
-              "eval_every": args.eval_every, "common_step": args.common_step, "time_cap": args.time_cap}
+              "eval_every": args.eval_every, "common_step": args.common_step, "time_cap": args.time_cap,
+              "select_on": args.select_on}
     if args.workload == "ctr":
         dense = (args.embedding_fields * args.embedding_dim + 13) * hidden + hidden
         dense += (args.layers - 1) * (hidden * hidden + hidden) + hidden + 1

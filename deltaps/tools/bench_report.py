@@ -253,6 +253,9 @@ def header(report: dict) -> str:
         common = report.get("common_step")
         lines.append(f"race protocol: {metric} compared at step {common} (every mode trains on to it)" if common else
                      f"race protocol: {metric} compared at the largest steps to target")
+    if report.get("select_on") == "validation":
+        lines.append("NOTE: every evaluation (target, curves, 'test' figures) is on the VALIDATION split, held out of the "
+                     "training data: for choosing settings; the test set is untouched")
     if report.get("time_cap"):
         lines.append(f"time cap: a mode stops past {report['time_cap']:g} x the best peer's time to target (same seed)")
     if net.get("measured_link_gbit_s") is not None:
