@@ -86,6 +86,14 @@ class TrainConfig:
         "--mode torchft: torchft's DiLoCo (the outer optimizer on the averaged pseudo-gradient; Streaming DiLoCo with "
         "--stream-fragments and --overlap-steps as its fragment delay) or localsgd (its model average every "
         "--local-steps)")
+    torchft_alpha: float = option(
+        0.0,
+        "--mode torchft diloco: torchft's fragment_update_alpha, in [0, 1] (0: a fragment takes the global "
+        "values after its sync; a > 0 keeps that share of the local ones)")
+    torchft_wire: str = option(
+        "fp32",
+        "--mode torchft diloco: the dtype the pseudo-gradients are allreduced in: fp32, fp16 or bf16 (cast before "
+        "the allreduce and back to the parameters' dtype before the outer step)")
     outer_lr: float = option(DEFAULT_OUTER[1], "local-update jobs: outer learning rate (sgd, nesterov; avg is lr 1)")
     outer_momentum: float = option(DEFAULT_OUTER[2], "local-update jobs: outer momentum (sgd, nesterov)")
     stream_fragments: int = option(
@@ -134,6 +142,19 @@ class TrainConfig:
         0.0,
         "--workload ctr (--mode allreduce / hybrid): stop at the first evaluation (--eval-every) reaching this "
         "test AUC, or at --steps; 0 = off")
+    eval_split: str = option(
+        "test",
+        "what evaluations (and targets) measure: test, or validation — held out of the training data, never the "
+        "test set (tabular workloads: as many samples as the test set, stratified, no longer trained on; lm: its "
+        "validation files) — to choose hyper-parameters without looking at the test set")
+    common_step: int = option(
+        0,
+        "with a target: keep training past it until step S, where an evaluation is due (at the first synced step "
+        "from S on), so every mode of a race has a metric at one common step; 0 = stop at the target")
+    eval_log: str = option(
+        "",
+        "append every evaluation during training to this JSON-lines file as it happens ({rank} is replaced by the "
+        "rank; bench compare's --time-cap watches it); empty = off")
     # ---- hybrid parallelism / embedding workload (worker/trainers/hybrid.py, docs/hybrid.md) ----
     workload: str = option(
         "mlp",
@@ -209,6 +230,12 @@ class TrainConfig:
                              ("--target-loss", self.target_loss)):
             if target and not self.eval_every:
                 raise ValueError(f"{flag} needs --eval-every N (the evaluations that can reach it)")
+        if self.eval_split not in ("test", "validation"):
+            raise ValueError(f"--eval-split must be test or validation, got {self.eval_split!r}")
+        if not 0 <= self.common_step <= self.steps:
+            raise ValueError(f"want 0 <= --common-step <= --steps {self.steps}, got {self.common_step}")
+        if self.common_step and not self.eval_every:
+            raise ValueError("--common-step needs --eval-every N (the evaluations it waits for)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

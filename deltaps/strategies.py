@@ -9,14 +9,20 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
   ps[:<codec>] | ps-bsp[:<codec>]       synchronous PS, gradients through the codec (default none; the codec spec
                                         is all that follows the first colon: ps:topk:ratio=0.01 -> topk:ratio=0.01)
   ps-asp[:<codec>]                      asynchronous PS
-  ps-local<H>[x<F>][o<tau>][:<codec>]   PS local updates: --local-steps H, --stream-fragments F, --overlap-steps
+  ps-local<H>[x<F>][o<tau>][:<codec>][:<outer>]
+                                        PS local updates: --local-steps H, --stream-fragments F, --overlap-steps
                                         tau (docs/local-updates.md), the deltas through the codec
   hybrid[:fp16|bf16]                    embeddings row-sparse on the PS, the dense part allreduced (--workload
                                         ctr), optionally through the fp16 / bf16 hook
-  torchft:diloco:sync=H[:fragments=F][:delay=tau]
+  torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:<outer>]
                                         the peer: torchft's own DiLoCo (F > 1: Streaming DiLoCo, fragment delay
-                                        tau, default 0), the same outer optimizer settings as the ps-local modes
+                                        tau, default 0; alpha: its fragment_update_alpha, default 0; wire: the
+                                        dtype its pseudo-gradients are allreduced in, default fp32), the same
+                                        outer optimizer settings as the ps-local modes
   torchft:localsgd:sync=H               torchft's LocalSGD (the models averaged every H steps)
+<outer> (local-update specs, any order among the parameters): outer=avg|sgd|nesterov, outer_lr=x,
+outer_momentum=m — this mode's outer optimizer (--outer-optimizer / --outer-lr / --outer-momentum), else the
+job's: ps-local32:int8:outer=avg, torchft:diloco:sync=32:outer_lr=0.7:outer_momentum=0.9.
 `ModeSpec.overrides()` gives the TrainConfig fields a spec sets; `str(ModeSpec)` its canonical spelling
 (fp32 DDP is `allreduce`, as the cost model and `deltaps advise` name it). In a comma-separated list
 (`split_mode_specs`) an item with `=` and no `:` continues the previous spec (ps:topk:ratio=0.01,chunk=4096).
@@ -43,9 +49,13 @@ FAMILIES = ("ddp", "ps", "hybrid", "torchft")         # what a mode spec names (
 PEER_FAMILIES = ("ddp", "torchft")                    # what users run instead of deltaps: the race's peers
 HALF_HOOKS = ("fp16", "bf16")                         # the hooks ddp:sparse's and hybrid's dense buckets take
 MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-asp:<codec>, "
-              "ps-local<H>[x<F>][o<tau>]:<codec>, hybrid[:fp16|bf16], torchft:diloco:sync=H[:fragments=F][:delay=tau] "
+              "ps-local<H>[x<F>][o<tau>]:<codec>[:outer=..], hybrid[:fp16|bf16], "
+              "torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:outer=..] "
               "or torchft:localsgd:sync=H")
 TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps"}
+OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"}
+OUTER_ITEM = re.compile(r"(?:^|[:,])(outer(?:_lr|_momentum)?)=([^:,]*)")
+WIRE_DTYPES = ("fp32", "fp16", "bf16")     # torchft:diloco's wire=: the dtype its pseudo-gradients are allreduced in
 LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?")
 
 POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
@@ -64,7 +74,19 @@ class ModeSpec:
     ddp_hook: str | None = None          # ddp / hybrid: the canonical hook spec (None: DDP's default allreduce)
     algorithm: str | None = None         # torchft: diloco | localsgd
     sparse_embeddings: bool = False      # ddp:sparse
+    outer_optimizer: str | None = None   # local updates: this mode's outer optimizer (None: the job's)
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    fragment_alpha: float | None = None  # torchft:diloco alpha= (fragment_update_alpha; None: torchft's 0)
+    wire_dtype: str | None = None        # torchft:diloco wire= (None: fp32)
     text: str = field(default="", compare=False)     # the spec as written
+
+    def outer_overrides(self) -> dict:
+        """The outer-optimizer TrainConfig fields this spec sets (none: the job's)."""
+        return {f: getattr(self, f) for f in OUTER_KEYS.values() if getattr(self, f) is not None}
+
+    def outer_text(self) -> str:
+        return "".join(f":{k}={getattr(self, f)}" for k, f in OUTER_KEYS.items() if getattr(self, f) is not None)
 
     def overrides(self) -> dict:
         """The TrainConfig fields this spec sets."""
@@ -74,12 +96,15 @@ class ModeSpec:
         if self.family == "hybrid":
             return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", **hook}
         if self.family == "torchft":
+            extra = {k: v for k, v in (("torchft_alpha", self.fragment_alpha), ("torchft_wire", self.wire_dtype))
+                     if v is not None}
             return {"mode": "torchft", "sync": "bsp", "torchft_algorithm": self.algorithm, "local_steps": self.local_steps,
-                    "stream_fragments": self.stream_fragments, "overlap_steps": self.overlap_steps or 0}
+                    "stream_fragments": self.stream_fragments, "overlap_steps": self.overlap_steps or 0,
+                    **extra, **self.outer_overrides()}
         out = {"mode": "ps", "sync": self.sync, "codec": self.codec}
         if self.local_steps is not None:
             out.update(local_steps=self.local_steps, stream_fragments=self.stream_fragments,
-                       overlap_steps=-1 if self.overlap_steps is None else self.overlap_steps)
+                       overlap_steps=-1 if self.overlap_steps is None else self.overlap_steps, **self.outer_overrides())
         return out
 
     def __str__(self) -> str:
@@ -91,12 +116,14 @@ class ModeSpec:
         if self.family == "torchft":
             extra = "".join(f":{k}={v}" for k, v in (("fragments", self.stream_fragments), ("delay", self.overlap_steps))
                             if v and (k != "fragments" or v != 1))
-            return f"torchft:{self.algorithm}:sync={self.local_steps}{extra}"
+            extra += f":alpha={self.fragment_alpha}" if self.fragment_alpha is not None else ""
+            extra += f":wire={self.wire_dtype}" if self.wire_dtype is not None else ""
+            return f"torchft:{self.algorithm}:sync={self.local_steps}{extra}{self.outer_text()}"
         if self.local_steps is None:
             return f"{'ps-asp' if self.sync == 'asp' else 'ps'}:{self.codec}"
         fragments = f"x{self.stream_fragments}" if self.stream_fragments != 1 else ""
         overlap = f"o{self.overlap_steps}" if self.overlap_steps is not None else ""
-        return f"ps-local{self.local_steps}{fragments}{overlap}:{self.codec}"
+        return f"ps-local{self.local_steps}{fragments}{overlap}:{self.codec}{self.outer_text()}"
 
 
 def parse_mode_spec(text: str) -> ModeSpec:
@@ -107,12 +134,15 @@ def parse_mode_spec(text: str) -> ModeSpec:
             return ModeSpec("ddp", **_ddp_fields(arg), text=text)
         except ValueError as e:
             raise ValueError(f"mode {text!r}: {e}") from None
+    codec, outer = _outer_fields(arg, text)
     if head in ("ps", "ps-bsp", "ps-asp"):
+        if outer:
+            raise ValueError(f"mode {text!r}: outer optimizer settings need a local-update mode (ps-local<H>)")
         return ModeSpec("ps", sync="asp" if head == "ps-asp" else "bsp", codec=arg or "none", text=text)
     local = LOCAL_HEAD.fullmatch(head)
     if local:
-        return ModeSpec("ps", codec=arg or "none", local_steps=int(local[1]), stream_fragments=int(local[2] or 1),
-                        overlap_steps=int(local[3]) if local[3] else None, text=text)
+        return ModeSpec("ps", codec=codec or "none", local_steps=int(local[1]), stream_fragments=int(local[2] or 1),
+                        overlap_steps=int(local[3]) if local[3] else None, text=text, **outer)
     if head == "hybrid":
         if arg not in ("", *HALF_HOOKS):
             raise ValueError(f"mode {text!r}: hybrid takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
@@ -122,21 +152,51 @@ def parse_mode_spec(text: str) -> ModeSpec:
     raise ValueError(f"unknown mode spec {text!r}; use {MODE_FORMS}")
 
 
+def _outer_fields(arg: str, text: str) -> tuple[str, dict]:
+    """A local-update spec's argument -> (the rest, its outer=/outer_lr=/outer_momentum= items as ModeSpec fields)."""
+    fields = {}
+    for key, value in OUTER_ITEM.findall(arg):
+        try:
+            fields[OUTER_KEYS[key]] = value if key == "outer" else float(value)
+        except ValueError:
+            raise ValueError(f"mode {text!r}: {key} must be a number, got {value!r}") from None
+        if key == "outer" and value not in ("avg", "sgd", "nesterov"):
+            raise ValueError(f"mode {text!r}: outer must be avg, sgd or nesterov, got {value!r}")
+    return OUTER_ITEM.sub("", arg).lstrip(":,"), fields
+
+
 def _torchft_spec(arg: str, text: str) -> ModeSpec:
-    """`torchft:<algorithm>:sync=H[:fragments=F][:delay=tau]`."""
+    """`torchft:<algorithm>:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=dtype][:outer=..]`."""
     algorithm, _, rest = arg.partition(":")
     if algorithm not in ("diloco", "localsgd"):
         raise ValueError(f"mode {text!r}: torchft runs diloco or localsgd, e.g. torchft:diloco:sync=32")
-    fields = {}
+    rest, fields = _outer_fields(rest, text)
+    if fields and algorithm == "localsgd":
+        raise ValueError(f"mode {text!r}: torchft:localsgd averages the models: it has no outer optimizer")
+    allowed = "sync=H (integers)" if algorithm == "localsgd" else (
+        "sync=H, fragments=F, delay=tau (integers), alpha=a in [0, 1], wire=fp32|fp16|bf16")
     for item in filter(None, rest.replace(",", ":").split(":")):
         key, _, value = item.partition("=")
-        if key not in TORCHFT_KEYS or not value.isdigit() or (algorithm == "localsgd" and key != "sync"):
-            allowed = "sync=H" if algorithm == "localsgd" else "sync=H, fragments=F, delay=tau"
-            raise ValueError(f"mode {text!r}: torchft:{algorithm} takes {allowed} (integers), not {item!r}")
-        fields[TORCHFT_KEYS[key]] = int(value)
+        if algorithm == "diloco" and key == "wire" and value in WIRE_DTYPES:
+            fields["wire_dtype"] = value
+        elif algorithm == "diloco" and key == "alpha" and _fraction(value) is not None:
+            fields["fragment_alpha"] = _fraction(value)
+        elif key not in TORCHFT_KEYS or not value.isdigit() or (algorithm == "localsgd" and key != "sync"):
+            raise ValueError(f"mode {text!r}: torchft:{algorithm} takes {allowed}, not {item!r}")
+        else:
+            fields[TORCHFT_KEYS[key]] = int(value)
     if "local_steps" not in fields:
         raise ValueError(f"mode {text!r}: torchft:{algorithm} needs sync=H (a sync every H inner steps)")
     return ModeSpec("torchft", algorithm=algorithm, text=text, **fields)
+
+
+def _fraction(value: str) -> float | None:
+    """A number in [0, 1] (torchft's fragment_update_alpha), or None."""
+    try:
+        v = float(value)
+    except ValueError:
+        return None
+    return v if 0.0 <= v <= 1.0 else None
 
 
 def _ddp_fields(arg: str) -> dict:

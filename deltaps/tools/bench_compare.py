@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -29,9 +28,9 @@ import yaml
 
 from deltaps.config import DEVICES
 from deltaps.strategies import parse_mode_spec, split_mode_specs
-from deltaps.tools import bench_report, netns
+from deltaps.tools import bench_protocol, bench_report, netns
 from deltaps.tools.bench_seeds import merge
-from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, summarize, tail_file, wait_port_file, wait_workers
+from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, summarize, tail_file, wait_port_file
 from worker.trainers.strategy import load_job
 from worker.workloads import available_workloads, get_workload, workload_class
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
@@ -101,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-auc", type=float, default=0.0, help="--workload ctr: as --target-accuracy, test AUC")
     p.add_argument("--target-loss", type=float, default=0.0,
                    help="--workload lm: as --target-accuracy, on the test loss in bits per byte (reached at or below)")
+    p.add_argument("--common-step", type=int, default=None,
+                   help="every mode trains on past its target to step S and reports its test metric there (default: "
+                        "the largest steps to target of the race; modes that stopped before it report null)")
+    p.add_argument("--time-cap", type=float, default=None,
+                   help="stop a mode once its training time passes X x the best peer's time to target in the same "
+                        "seed (peers run first): 'not reached within the cap', never extrapolated")
+    p.add_argument("--select-on", choices=("test", "validation"), default="test",
+                   help="what every mode's evaluations (and the target) measure: test, or a validation split held out "
+                        "of the training data (to choose outer lr / momentum / H / tau / fragments; test untouched)")
     p.add_argument("--embedding-rows", type=int, default=1_000_000, help="ctr: embedding table rows")
     p.add_argument("--embedding-dim", type=int, default=64, help="ctr: embedding width")
     p.add_argument("--embedding-fields", type=int, default=8, help="ctr: categorical fields per sample")
@@ -138,11 +146,11 @@ class _Net:
         return {i: self.topo.link_bytes(i) for i in nodes} if self.topo else {}
 
 
-def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
-    over = {**base, **parse_mode(spec)}
-    cfg = load_job(None, over)
+def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | None = None) -> dict:
     d = os.path.join(tmp, spec.replace(":", "_").replace("=", "-").replace("/", "_"))
     os.makedirs(d, exist_ok=True)
+    eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (the time cap)
+    cfg = load_job(None, {**base, **parse_mode(spec), **({"eval_log": eval_log} if cap_s is not None else {})})
     cfg_path = os.path.join(d, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
@@ -181,7 +189,10 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
                                          "--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"),
                                          "--no-progress"],
                 stdout=log, stderr=subprocess.STDOUT, env=env))
-        failed = wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 5.0)
+        logs = [eval_log.replace("{rank}", str(r)) for r in range(W)]
+        failed = bench_protocol.wait_within_cap(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 5.0, logs, cap_s)
+        if failed is None:
+            return bench_protocol.capped_run(bench_protocol.read_eval_logs(logs), cap_s, args.time_cap)
         if failed:
             logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(d, f'worker{r}.log'))}"
                              for r, c in failed)
@@ -209,6 +220,7 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str) -> dict:
         # application-level bytes one worker sends / receives per step (allreduce: 2(p-1)/p x gradient bytes)
         "bytes_per_step": s["bytes_pushed_wire"] / W / steps,
         "bytes_pulled_per_step": s["bytes_pulled_wire"] / W / steps,
+        "bytes_per_round_fraction": bench_protocol.bytes_per_round_fraction(results, s["model_params"]),
         "compression_ratio": s["compression_ratio"],
         "final_test_accuracy": s["final_test_accuracy"], "final_train_loss": s["final_train_loss"],
         "final_codec": s["final_codec"], "codec_fallbacks": s["codec_fallbacks"],
@@ -252,6 +264,8 @@ def compare(args) -> dict:
         args.servers = args.workers
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.time_cap is not None and args.time_cap < 1:     # below 1 the best peer would miss its own cap
+        raise ValueError(f"--time-cap must be >= 1, got {args.time_cap}")
     specs = split_mode_specs(args.modes)
     if len(set(specs)) != len(specs):
         raise ValueError("duplicate mode specs")
@@ -268,7 +282,8 @@ def compare(args) -> dict:
             "embedding_fields": args.embedding_fields, "embedding_optimizer": args.embedding_optimizer,
             "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
             "eval_every": args.eval_every, "target_accuracy": args.target_accuracy, "target_auc": args.target_auc,
-            "target_loss": args.target_loss,
+            "target_loss": args.target_loss, "common_step": args.common_step or 0,
+            "eval_split": args.select_on,
             "outer_optimizer": args.outer_optimizer,
             **{k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None},
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
@@ -281,7 +296,8 @@ def compare(args) -> dict:
               "seeds": list(range(args.seed, args.seed + args.seeds)),
               "model_params": _model_params(base), "host_cpus": os.cpu_count(),
               "network": {"notes": []}, "modes": {}, "workload": args.workload,
-              "eval_every": args.eval_every, "device": args.device}
+              "eval_every": args.eval_every, "device": args.device, "common_step": args.common_step,
+              "time_cap": args.time_cap, "select_on": args.select_on}
     if args.workload == "ctr":
         dense = (args.embedding_fields * args.embedding_dim + 13) * hidden + hidden
         dense += (args.layers - 1) * (hidden * hidden + hidden) + hidden + 1
@@ -318,11 +334,19 @@ def compare(args) -> dict:
         net = _Net(topo)
         print(bench_report.header(report), flush=True)
         runs: dict[str, list[dict]] = {spec: [] for spec in specs}
-        for seed, spec in ((seed, spec) for seed in report["seeds"] for spec in specs):
+        # with a time cap the peers run first in each seed: their best time to target sets the cap
+        order = sorted(specs, key=lambda s: not bench_report.is_peer(s)) if args.time_cap else specs
+        for seed, spec in ((seed, spec) for seed in report["seeds"] for spec in order):
             print(f"-- running {spec}{f' (seed {seed})' if args.seeds > 1 else ''} ...", flush=True)
+            cap_s = None if bench_report.is_peer(spec) else bench_protocol.cap_seconds(
+                [r[-1] for k, r in runs.items() if bench_report.is_peer(k) and r and r[-1]["seed"] == seed],
+                args.time_cap)
             try:
-                m = run_mode(spec, {**base, "seed": seed}, args, net, os.path.join(tmp, f"seed{seed}"))
+                m = run_mode(spec, {**base, "seed": seed}, args, net, os.path.join(tmp, f"seed{seed}"), cap_s)
                 runs[spec].append({**m, "seed": seed})
+                if m.get("capped"):
+                    print(f"   {m['capped']} (stopped at step {m['steps']})", flush=True)
+                    continue
                 reached = "" if not getattr(args, workload_class(args.workload).target_field) else (
                     f", target not reached in {m['steps']} steps" if m.get("time_to_target_s") is None else
                     f", target reached at step {m['steps_to_target']} after {m['time_to_target_s']:.2f} s")
@@ -331,6 +355,13 @@ def compare(args) -> dict:
             except (RuntimeError, TimeoutError, OSError, ValueError) as e:
                 runs[spec].append({"error": str(e), "seed": seed})
                 print(f"   FAILED: {e}", file=sys.stderr, flush=True)
+        for i in range(len(report["seeds"])):    # the race protocol is judged within each seed
+            race = {spec: r[i] for spec, r in runs.items()}
+            cap_s = bench_protocol.cap_seconds([m for k, m in race.items() if bench_report.is_peer(k)], args.time_cap)
+            for m in race.values():
+                bench_protocol.apply_time_cap(m, cap_s, args.time_cap)
+            if args.eval_every:
+                bench_protocol.add_metric_at_common_step(race, bench_report.metric_of(report), args.common_step)
         report["modes"] = {spec: merge(r) if args.seeds > 1 else r[0] for spec, r in runs.items()}
     finally:
         if topo:
@@ -340,25 +371,9 @@ def compare(args) -> dict:
         netns.restore_signal_handlers(old)
     if args.keep_logs:
         print(f"logs: {tmp}")
-    ar = report["modes"].get("allreduce", report["modes"].get("ddp"))    # the fp32 DDP run is the reference
-    if ar and "error" not in ar:
-        for m in report["modes"].values():
-            if "error" in m:
-                continue
-            m["speedup_vs_allreduce"] = ar["median_step_s"] / m["median_step_s"] if m["median_step_s"] else math.nan
-            m["speedup_wall_vs_allreduce"] = ar["wall_s"] / m["wall_s"] if m["wall_s"] else math.nan
-            m["accuracy_delta_vs_allreduce"] = m["final_test_accuracy"] - ar["final_test_accuracy"]
-            if "losses_rank0" in m and "losses_rank0" in ar:   # same data, same seed: the curves should coincide
-                m["loss_curve_max_abs_diff_vs_allreduce"] = max(
-                    (abs(a - b) for a, b in zip(m["losses_rank0"], ar["losses_rank0"])), default=0.0)
-                m["auc_delta_vs_allreduce"] = m["final_test_auc"] - ar["final_test_auc"]
-    else:
-        report["network"]["notes"].append("no successful allreduce run in this invocation: no speed-ups computed")
-    sparse = bench_report.ddp_sparse_run(report)
-    for m in report["modes"].values():      # ctr: hybrid against the DDP a user would run (sparse gradients)
-        if sparse and "error" not in m:
-            m["speedup_vs_ddp_sparse"] = sparse["median_step_s"] / m["median_step_s"]
+    bench_report.add_speedups(report)
     bench_report.add_time_to_accuracy(report, getattr(args, workload_class(args.workload).target_field))
+    bench_report.add_common_step_deltas(report)
     return report
 
 

@@ -11,11 +11,14 @@ mode's, null when either never reached the target.
 """
 from __future__ import annotations
 
+import math
+
 from deltaps.strategies import PEER_FAMILIES, parse_mode_spec
 from deltaps.tools.bench_seeds import range_text
 from worker.workloads import workload_class
 
 ACCURACY_FLAG = 0.005      # |final accuracy - fp32 DDP's| above this (0.5 points) is flagged: "!", red in the PNG
+LOSS_FLAG = 0.01           # a lower-is-better metric (lm's bits per byte): |relative difference| above 1 % is flagged
 
 
 def fmt_bytes(n: float) -> str:
@@ -29,6 +32,11 @@ def fmt_bytes(n: float) -> str:
 def is_peer(spec: str) -> bool:
     """A mode users run instead of deltaps (DDP plain or with a comm hook, torchft): what deltaps is raced against."""
     return parse_mode_spec(spec).family in PEER_FAMILIES
+
+
+def measured(m: dict) -> bool:
+    """A mode run that has step-time figures: neither failed nor stopped by the time cap before it finished."""
+    return "error" not in m and "median_step_s" in m
 
 
 def metric_of(report_or_result: dict) -> str:
@@ -66,6 +74,42 @@ def eval_fields(results: list[dict]) -> dict:
 def _ratio(reference: dict | None, m: dict) -> float | None:
     a, b = (reference or {}).get("time_to_target_s"), m.get("time_to_target_s")
     return a / b if a is not None and b else None
+
+
+def add_speedups(report: dict) -> None:
+    """Per mode, step-time speed-ups and accuracy deltas against the invocation's fp32 DDP run (`allreduce` or
+    `ddp`); ctr: the speed-up against ddp:sparse, the DDP a user would run on an embedding model."""
+    ar = report["modes"].get("allreduce", report["modes"].get("ddp"))    # the fp32 DDP run is the reference
+    if ar and measured(ar):
+        for m in filter(measured, report["modes"].values()):
+            m["speedup_vs_allreduce"] = ar["median_step_s"] / m["median_step_s"] if m["median_step_s"] else math.nan
+            m["speedup_wall_vs_allreduce"] = ar["wall_s"] / m["wall_s"] if m["wall_s"] else math.nan
+            m["accuracy_delta_vs_allreduce"] = m["final_test_accuracy"] - ar["final_test_accuracy"]
+            if "losses_rank0" in m and "losses_rank0" in ar:   # same data, same seed: the curves should coincide
+                m["loss_curve_max_abs_diff_vs_allreduce"] = max(
+                    (abs(a - b) for a, b in zip(m["losses_rank0"], ar["losses_rank0"])), default=0.0)
+                m["auc_delta_vs_allreduce"] = m["final_test_auc"] - ar["final_test_auc"]
+    else:
+        report["network"]["notes"].append("no successful allreduce run in this invocation: no speed-ups computed")
+    sparse = ddp_sparse_run(report)
+    for m in filter(measured, report["modes"].values()):   # ctr: against the DDP a user would run (sparse gradients)
+        if sparse:
+            m["speedup_vs_ddp_sparse"] = sparse["median_step_s"] / m["median_step_s"]
+
+
+def add_common_step_deltas(report: dict) -> None:
+    """Per mode, its metric at the common step minus fp32 DDP's (`metric_at_common_step_delta_vs_ddp`) and the flag
+    `common_step_flag`: beyond ACCURACY_FLAG points (accuracy, AUC) or LOSS_FLAG relative (a loss)."""
+    ddp = report["modes"].get("ddp", report["modes"].get("allreduce")) or {}
+    ref = ddp.get("metric_at_common_step")
+    for m in report["modes"].values():
+        v = m.get("metric_at_common_step")
+        if "error" in m or "common_step" not in m:
+            continue
+        delta = None if v is None or ref is None else v - ref
+        m["metric_at_common_step_delta_vs_ddp"] = delta
+        m["common_step_flag"] = delta is not None and (
+            abs(delta) > LOSS_FLAG * abs(ref) if lower_is_better(report) else round(abs(delta), 4) > ACCURACY_FLAG)
 
 
 def add_time_to_accuracy(report: dict, target: float | None) -> None:
@@ -110,13 +154,17 @@ def step_cells(m: dict) -> list[str]:
 
 
 def failed_row(spec: str, m: dict, ncols: int) -> list[str]:
+    """The row of a mode without step figures: failed, or stopped by the time cap (then: the cap and its steps)."""
+    if "error" not in m:
+        return [spec, f"not reached within the cap ({m['cap_s']:.2f} s)", f"stopped at {m['steps']:.0f}"] + [""] * (ncols - 3)
     return [spec, "FAILED: " + m["error"].splitlines()[0][:60]] + [""] * (ncols - 2)
 
 
 def time_cells(m: dict) -> list[str]:
     """The time-to-target columns of a mode (TIME_COLS)."""
     t = m.get("time_to_target_s")
-    return [(f"{t:.2f} s" if t is not None else "not reached") + range_text(m), m.get("steps_to_target") or "—",
+    missed = "not reached within the cap" if m.get("capped") else "not reached"
+    return [(f"{t:.2f} s" if t is not None else missed) + range_text(m), m.get("steps_to_target") or "—",
             _x(m.get("speedup_vs_best_peer")), _x(m.get("speedup_vs_ddp"))]
 
 
@@ -128,24 +176,44 @@ def time_note(report: dict) -> str:
             f"time to target / mode's; x vs ddp = fp32 DDP's / mode's")
 
 
+def common_step_cell(report: dict, m: dict) -> str:
+    """A mode's metric at the common step and its difference from fp32 DDP's there ('!' past the flag)."""
+    v, d, loss = m.get("metric_at_common_step"), m.get("metric_at_common_step_delta_vs_ddp"), lower_is_better(report)
+    if v is None:
+        return "—"
+    text = f"{v:.4f}" if loss else f"{v * 100:.2f} %"
+    ref = v - d if d is not None else None
+    if d is not None:
+        text += f" ({d / ref * 100:+.1f} %)" if loss and ref else f" ({d * 100:+.2f} pp)"
+    return text + (" !" if m.get("common_step_flag") else "")
+
+
 def format_table_mlp(report: dict) -> str:
-    """The MLP workloads' table (digits, clf); with a target, the time-to-accuracy columns lead."""
+    """The MLP workloads' table (digits, clf, lm); with a target, the time-to-accuracy columns lead; with
+    evaluations, the metric at the race's common step (bench_protocol) and its difference from ddp's."""
     timed = bool(report.get("target"))
+    common = any("common_step" in m for m in report["modes"].values())
     cols = ["mode"] + (TIME_COLS if timed else []) + [
-        *STEP_COLS, "test acc", "Δacc vs AR", "speed-up vs AR"]
+        *STEP_COLS, "test acc", "Δacc vs AR", "speed-up vs AR"] + ["@ common step", "round/model"] * common
     rows = []
     for spec, m in report["modes"].items():
-        if "error" in m:
+        if not measured(m):
             rows.append(failed_row(spec, m, len(cols)))
             continue
-        da = m.get("accuracy_delta_vs_allreduce")
+        da, frac = m.get("accuracy_delta_vs_allreduce"), m.get("bytes_per_round_fraction")
         rows.append([spec] + (time_cells(m) if timed else []) + step_cells(m) + [
             f"{m['final_test_accuracy'] * 100:.2f} %",
             "—" if da is None else f"{da * 100:+.2f} pp" + (" !" if m.get("accuracy_flag") else ""),
-            _x(m.get("speedup_vs_allreduce"))])
+            _x(m.get("speedup_vs_allreduce"))] + [common_step_cell(report, m), "—" if frac is None else f"{frac:.3f}"]
+            * common)
     notes = []
     if timed:
         notes.append(time_note(report))
+    if common:
+        steps = sorted({m["common_step"] for m in report["modes"].values() if "common_step" in m})
+        notes.append(f"@ common step = {metric_label(report)} at step {'/'.join(map(str, steps))} (the first evaluation "
+                     f"from there on; vs ddp's; ! = beyond {ACCURACY_FLAG * 100:.1f} points, or 1 % of a loss); "
+                     f"round/model = bytes one worker pushes + pulls per outer round / the fp32 model's bytes")
     if any(m.get("accuracy_flag") for m in report["modes"].values()):
         notes.append(f"! = final accuracy differs from fp32 DDP's by more than {ACCURACY_FLAG * 100:.1f} points")
     return "\n".join([table(cols, rows)] + notes)
@@ -182,6 +250,14 @@ def header(report: dict) -> str:
         target = f"stop at {metric} {report['target']:.4g}, " if report.get("target") else ""
         lines.append(f"evaluation: {target}{metric} every {report['eval_every']} steps (evaluation time is "
                      f"not on the clock)")
+        common = report.get("common_step")
+        lines.append(f"race protocol: {metric} compared at step {common} (every mode trains on to it)" if common else
+                     f"race protocol: {metric} compared at the largest steps to target")
+    if report.get("select_on") == "validation":
+        lines.append("NOTE: every evaluation (target, curves, 'test' figures) is on the VALIDATION split, held out of the "
+                     "training data: for choosing settings; the test set is untouched")
+    if report.get("time_cap"):
+        lines.append(f"time cap: a mode stops past {report['time_cap']:g} x the best peer's time to target (same seed)")
     if net.get("measured_link_gbit_s") is not None:
         lines.append(f"         measured one TCP stream worker->worker: {net['measured_link_gbit_s']:.3f} Gbit/s")
     lines.append(f"host: {report['host_cpus']} CPU cores shared by all processes "
@@ -198,7 +274,7 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [k for k, m in report["modes"].items() if "error" not in m]
+    modes = [k for k, m in report["modes"].items() if measured(m)]
     ms = [report["modes"][k] for k in modes]
     curves = any(m.get("evals") for m in ms)
     ratios = [2, 1, 2] if curves else [2, 1]
@@ -278,7 +354,7 @@ def format_table_ctr(report: dict) -> str:
             "max |Δloss| vs AR", "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
     rows = []
     for spec, m in report["modes"].items():
-        if "error" in m:
+        if not measured(m):
             rows.append(failed_row(spec, m, len(cols)))
             continue
         sp, dl = m.get("speedup_vs_allreduce"), m.get("loss_curve_max_abs_diff_vs_allreduce")

@@ -2,12 +2,17 @@
 invocation, seed-major (all modes for the first seed, then the next: a drift of the host hits every mode alike),
 and a mode's figures are the medians over its seeds. Time to target: the median when every seed reached the
 target, else null ("not reached" — never a median of the seeds that happened to reach it), with the range
-(min, max) of the seeds that did; the speed-ups are then ratios of medians. Per-seed figures stay in `seeds`."""
+(min, max) of the seeds that did; the speed-ups are then ratios of medians. The metric at the common step
+(bench_protocol) likewise: the median when every seed has one, else null. A seed the time cap stopped before it
+finished has no step figures: those are the medians of the other seeds (none finished: the mode is capped).
+Per-seed figures stay in `seeds`."""
 from __future__ import annotations
 
 import statistics
 
-PER_SEED = ("seed", "time_to_target_s", "steps_to_target", "median_step_s", "final_test_accuracy", "steps")
+PER_SEED = ("seed", "time_to_target_s", "steps_to_target", "median_step_s", "final_test_accuracy", "steps",
+            "common_step", "metric_at_common_step", "bytes_per_round_fraction", "capped")
+EVERY_SEED_OR_NULL = ("metric_at_common_step", "common_step_evaluated_at", "bytes_per_round_fraction")
 
 
 def _number(v) -> bool:
@@ -20,11 +25,16 @@ def merge(runs: list[dict]) -> dict:
     if failed:
         return {"error": f"{len(failed)} of {len(runs)} seeds failed; seed {failed[0]['seed']}: {failed[0]['error']}",
                 "seeds": [{k: r.get(k) for k in ("seed", "error")} for r in runs]}
-    out = dict(runs[0])      # curves and other non-numbers: the first seed's
-    for key, value in runs[0].items():
-        values = [r.get(key) for r in runs]
+    finished = [r for r in runs if "median_step_s" in r] or runs     # the cap may stop a seed before it finished
+    out = dict(finished[0])      # curves and other non-numbers: the first finished seed's
+    for key, value in finished[0].items():
+        values = [r.get(key) for r in finished]
         if _number(value) and all(_number(v) for v in values):
             out[key] = statistics.median(values)
+    for key in EVERY_SEED_OR_NULL:
+        values = [r.get(key) for r in runs]
+        if key in out:
+            out[key] = statistics.median(values) if all(_number(v) for v in values) else None
     for key in ("time_to_target_s", "steps_to_target"):
         reached = [r.get(key) for r in runs if r.get(key) is not None]
         out[key] = statistics.median(reached) if len(reached) == len(runs) else None

@@ -31,6 +31,25 @@ def test_torchft_diloco_is_deltaps_local_updates_with_the_same_outer_nesterov(tm
     assert ft["final_test_accuracy"] == pytest.approx(ps["final_test_accuracy"])
 
 
+def test_a_spec_s_own_outer_settings_reach_both_sides(tmp_path):
+    from deltaps.strategies import parse_mode_spec
+    outer = ":outer=sgd:outer_lr=0.5:outer_momentum=0.5"       # not the JOB's nesterov 0.7 / 0.9
+    _, ft_model = _run(tmp_path, **parse_mode_spec("torchft:diloco:sync=4" + outer).overrides())
+    _, ps_model = _run(tmp_path, **parse_mode_spec("ps-local4:none" + outer).overrides())
+    _, nesterov = _run(tmp_path, mode="ps")
+    assert max((ft_model[k] - ps_model[k]).abs().max().item() for k in ft_model) < 1e-6
+    assert max((nesterov[k] - ps_model[k]).abs().max().item() for k in ft_model) > 1e-4     # the settings took
+
+
+def test_a_bf16_wire_halves_the_bytes_and_stays_close(tmp_path):
+    fp32, fp32_model = _run(tmp_path, mode="torchft")
+    bf16, bf16_model = _run(tmp_path, mode="torchft", torchft_wire="bf16")
+    assert bf16["per_worker"][0]["wire_dtype"] == "bf16"
+    assert 2 * bf16["per_worker"][0]["bytes_pushed_wire"] == fp32["per_worker"][0]["bytes_pushed_wire"]
+    diff = max((fp32_model[k] - bf16_model[k]).abs().max().item() for k in fp32_model)
+    assert 0 < diff < 0.05, diff                         # rounded pseudo-gradients: close, not identical
+
+
 def test_rules_name_what_is_missing():
     with pytest.raises(ValueError, match="needs --local-steps"):
         load_job(None, {"mode": "torchft"})
@@ -40,3 +59,7 @@ def test_rules_name_what_is_missing():
         load_job(None, {"mode": "torchft", "local_steps": 8, "stream_fragments": 2, "torchft_algorithm": "localsgd"})
     with pytest.raises(ValueError, match="--sync bsp"):
         load_job(None, {"mode": "torchft", "local_steps": 8, "sync": "asp"})
+    with pytest.raises(ValueError, match="--torchft-wire must be"):
+        load_job(None, {"mode": "torchft", "local_steps": 8, "torchft_wire": "int8"})
+    with pytest.raises(ValueError, match="no --torchft-wire"):
+        load_job(None, {"mode": "torchft", "local_steps": 8, "torchft_wire": "bf16", "torchft_algorithm": "localsgd"})

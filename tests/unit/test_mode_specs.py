@@ -65,6 +65,20 @@ EXPECTED = {   # what bench compare's parse_mode returned before the grammar mov
                                                    "local_steps": 32, "stream_fragments": 4, "overlap_steps": 4},
     "torchft:localsgd:sync=8": {"mode": "torchft", "sync": "bsp", "torchft_algorithm": "localsgd", "local_steps": 8,
                                 "stream_fragments": 1, "overlap_steps": 0},
+    # per-mode outer optimizer settings (local-update specs), torchft's alpha and wire dtype
+    "ps-local32:int8:outer=avg": {"mode": "ps", "sync": "bsp", "codec": "int8", "local_steps": 32,
+                                  "stream_fragments": 1, "overlap_steps": -1, "outer_optimizer": "avg"},
+    "ps-local8:topk:ratio=0.1:outer_lr=0.7,outer_momentum=0.9": {
+        "mode": "ps", "sync": "bsp", "codec": "topk:ratio=0.1", "local_steps": 8, "stream_fragments": 1,
+        "overlap_steps": -1, "outer_lr": 0.7, "outer_momentum": 0.9},
+    "ps-local8:outer=sgd": {"mode": "ps", "sync": "bsp", "codec": "none", "local_steps": 8, "stream_fragments": 1,
+                            "overlap_steps": -1, "outer_optimizer": "sgd"},
+    "torchft:diloco:sync=32:alpha=0.5:wire=bf16:outer=nesterov:outer_lr=0.7": {
+        "mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco", "local_steps": 32, "stream_fragments": 1,
+        "overlap_steps": 0, "torchft_alpha": 0.5, "torchft_wire": "bf16", "outer_optimizer": "nesterov", "outer_lr": 0.7},
+    "torchft:diloco:sync=8:outer=sgd:outer_momentum=0:wire=fp16": {
+        "mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco", "local_steps": 8, "stream_fragments": 1,
+        "overlap_steps": 0, "torchft_wire": "fp16", "outer_optimizer": "sgd", "outer_momentum": 0.0},
 }
 BAD = {   # spec -> what the message says besides the spec itself
     "horovod": "use ddp[:<hook>|:sparse[:fp16|bf16]]",
@@ -93,6 +107,13 @@ BAD = {   # spec -> what the message says besides the spec itself
     "ddp:sparse,fp16": "sparse is not a DDP comm hook",
     "hybrid:int8": "hybrid takes fp16 or bf16",
     "hybrid:FP16": "hybrid takes fp16 or bf16",
+    "ps:int8:outer=avg": "need a local-update mode",
+    "ps-local8:int8:outer=adam": "outer must be avg, sgd or nesterov",
+    "ps-local8:int8:outer_lr=fast": "outer_lr must be a number",
+    "torchft:diloco:sync=8:wire=int8": "alpha=a in [0, 1], wire=fp32|fp16|bf16, not 'wire=int8'",
+    "torchft:diloco:sync=8:alpha=2": "not 'alpha=2'",
+    "torchft:localsgd:sync=8:outer=avg": "has no outer optimizer",
+    "torchft:localsgd:sync=8:wire=bf16": "takes sync=H (integers), not",
 }
 
 
@@ -120,6 +141,8 @@ def test_every_accepted_form_gives_the_same_overrides():
     assert str(parse_mode_spec("ddp")) == "allreduce" and str(parse_mode_spec("ps")) == "ps:none"
     assert str(parse_mode_spec("ps-local8x1o2:int8")) == "ps-local8o2:int8"
     assert str(parse_mode_spec("allreduce:powersgd:rank=2")) == "ddp:powersgd:rank=2:start=10"
+    assert str(parse_mode_spec("ps-local8:outer_lr=0.7,outer=sgd")) == "ps-local8:none:outer=sgd:outer_lr=0.7"
+    assert split_mode_specs("ps-local32:int8,outer=avg,ddp") == ["ps-local32:int8,outer=avg", "ddp"]
     from worker.trainers.strategy import available_strategies
     assert sorted(MODES) == available_strategies()      # the grammar's modes are the registered strategies
 

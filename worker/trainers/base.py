@@ -11,8 +11,11 @@
 Evaluation during training (--eval-every, --target-accuracy; ps and allreduce modes): after `record()`
 the trainer calls `run.evaluate(fn, synced)`; the evaluation is timed apart and left out of the step times
 and the wall clock, so `time_s` of an evaluation (and `time_to_target_s`) is training time only. The
-recorder ends the loop after the first evaluation that reaches the target; every rank evaluates the same
-model (synced) on the same test set, so all ranks stop at the same step without talking.
+recorder ends the loop after the first evaluation that reaches the target (with --common-step S: after the
+evaluation due at S, if that comes later, so every mode of a race has a metric at step S); every rank evaluates
+the same model (synced) on the same test set, so all ranks stop at the same step without talking.
+With --eval-log every evaluation is also appended to a JSON-lines file as it happens (a running job's progress:
+bench compare's --time-cap reads it).
 
 Step split (every mode): a step's time = compute + comm + wait, where `blocked` is the time the step was
 blocked on communication, `wait` the part of it spent waiting for peers / the server's BSP gate, comm =
@@ -20,6 +23,7 @@ blocked - wait, compute = step - blocked.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -210,6 +214,7 @@ class RunRecorder:
         self.eval_s = 0.0
         self.steps_to_target: int | None = None
         self.time_to_target_s: float | None = None
+        self.stopped_at: int | None = None      # the step the loop ended after, when an evaluation ended it early
         self._t_start = 0.0
         self._eval_due = False
         # what the evaluations measure and the config field / result key of its target: the workload's
@@ -227,11 +232,17 @@ class RunRecorder:
                 self._step, self._blocked, self._wait = step, 0.0, 0.0
                 self._t0 = time.perf_counter()
                 yield step
-                if self.steps_to_target is not None:
-                    break           # target reached: every rank leaves after the same step
+                if self.steps_to_target is not None and self._common_step_evaluated():
+                    self.stopped_at = step + 1     # target reached: every rank leaves after the same step
+                    break
             self.wall_s = self.training_s()
         finally:
             self._bar.close()
+
+    def _common_step_evaluated(self) -> bool:
+        """--common-step S: the evaluation due at S happened (0: no common step, nothing to wait for)."""
+        common = self.cfg.common_step
+        return not common or any(e["step"] >= common for e in self.evals)
 
     @property
     def step_start(self) -> float:
@@ -277,7 +288,7 @@ class RunRecorder:
         every, done = self.cfg.eval_every, self._step + 1
         if not every:
             return False
-        self._eval_due = self._eval_due or done % every == 0
+        self._eval_due = self._eval_due or done % every == 0 or done == self.cfg.common_step
         if not (self._eval_due and synced):
             return False
         self._eval_due = False
@@ -286,11 +297,14 @@ class RunRecorder:
         evaluation = evaluation_fn()
         self.eval_s += time.perf_counter() - t0
         self.evals.append({"step": done, "time_s": train_s, **evaluation})
+        reached = bool(self.target) and self.reaches(evaluation, self.target)
+        if self.cfg.eval_log:
+            with open(self.cfg.eval_log.replace("{rank}", str(self.rank)), "a") as f:
+                f.write(json.dumps({**self.evals[-1], "reached": reached}) + "\n")
         if self.cfg.log_every:
             self.log.info("worker %d step %d %s %.4f (%.2f s of training)", self.rank, done,
                           self.metric.replace("_", " "), evaluation[self.metric], train_s)
-        target = self.target
-        if target and self.steps_to_target is None and self.reaches(evaluation, target):
+        if reached and self.steps_to_target is None:
             self.steps_to_target, self.time_to_target_s = done, train_s
             return True
         return False
@@ -305,9 +319,9 @@ class RunRecorder:
     def result(self, *, final_test_accuracy: float, model_params: int, samples: float | None = None,
                **fields) -> RunResult:
         """The RunResult of this run; samples defaults to steps x cfg.batch_size (steps: cfg.steps, or the step
-        the target accuracy stopped the job at); fields: RunResult's byte / codec fields and `extras`."""
+        an evaluation stopped the job at); fields: RunResult's byte / codec fields and `extras`."""
         cfg = self.cfg
-        steps = cfg.steps if self.steps_to_target is None else self.steps_to_target
+        steps = self.stopped_at or cfg.steps
         if cfg.eval_every:
             fields["extras"] = {**fields.get("extras", {}), **self.eval_extras()}
         return RunResult(rank=self.rank, steps=steps, wall_s=self.wall_s,

@@ -144,7 +144,7 @@ class Hybrid(Strategy):
         if self.pipe is not None:
             self.pipe.close()
         for e in self.embs.values():
-            e.min_version = self._min_version(run.steps_to_target or self.cfg.steps)   # the table after the last step
+            e.min_version = self._min_version(run.stopped_at or self.cfg.steps)   # the table after the last step
         c = self.client.stats.snapshot()
         sent = int(c.get("bytes_pushed_wire", 0) + self.ring_bytes)
         return dict(bytes_pushed_wire=sent, bytes_pushed_raw=sent,

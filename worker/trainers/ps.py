@@ -72,6 +72,7 @@ class ParameterServer(Strategy):
         self.opt = opt = distributed_optimizer(cfg, self.model, ctx.servers, ctx.rank, ctx.world_size, ctx.security)
         self.closables.append(opt.close)
         self.stopping = _install_sigterm(opt)
+        self.stats_after_setup = opt.client.stats.snapshot()     # the initial full pull is not a round's bytes
         if opt.clock:
             log.warning("worker %d joined a running job at step %d", self.rank, opt.clock)
         if ctx.metrics is not None:
@@ -129,12 +130,22 @@ class ParameterServer(Strategy):
 
     def finish(self, run) -> dict:
         opt = self.opt
-        # a job stopped at the target keeps the shards' model that reached it (no flush of inner steps)
-        adopt_server_params(opt, flush=run.steps_to_target is None)
+        steady = self._steady_rounds() if opt.local else {}
+        # a job an evaluation stopped keeps the shards' model it evaluated (no flush of inner steps)
+        adopt_server_params(opt, flush=run.stopped_at is None)
         note = {"optimizer_note": f"server {self.cfg.optimizer} on every parameter, table included"}
         return dict(**comm_counters(opt.client.stats.snapshot()), codec=self.cfg.codec, final_codec=opt.client.codec,
                     codec_switches=opt.codec_switches, codec_fallbacks=self.fallbacks,
-                    extras=note if self.workload.has_embeddings else {})
+                    extras={**steady, **(note if self.workload.has_embeddings else {})})
+
+    def _steady_rounds(self) -> dict:
+        """A local-update job's bytes pushed + pulled over the rounds the loop completed, and how many full rounds
+        (every fragment once) that was: the initial full pull and the end-of-job flush and pull left out."""
+        opt = self.opt
+        opt.synchronize()                    # the exchanges in flight complete; no new round is started
+        now, before = opt.client.stats.snapshot(), self.stats_after_setup
+        moved = sum(now.get(k, 0) - before.get(k, 0) for k in ("bytes_pushed_wire", "bytes_pulled_wire"))
+        return {"steady_bytes_moved": int(moved), "steady_rounds": opt.local.outer_rounds / len(opt.local.fragments)}
 
     def report(self, result) -> None:
         if self.rank == 0:

@@ -8,8 +8,11 @@ own address advertised) over torchft's reconfigurable `ProcessGroupGloo`. The mo
 sync_every=--local-steps, fragment_sync_delay=--overlap-steps)` with the inner optimizer --optimizer/--lr and
 the outer one the deltaps modes use (--outer-optimizer/--outer-lr/--outer-momentum: nesterov = SGD(nesterov=True),
 sgd = heavy ball, avg = SGD(lr=1), i.e. the mean of the local models); `--torchft-algorithm localsgd` runs
-torchft's LocalSGD (model average every --local-steps). Pseudo-gradients travel as fp32: torchft's
-`should_quantize` needs CUDA (Triton).
+torchft's LocalSGD (model average every --local-steps). --torchft-alpha is DiLoCo's fragment_update_alpha.
+Pseudo-gradients travel as fp32 (torchft's `should_quantize` needs CUDA and Triton), or as --torchft-wire
+fp16 / bf16: torchft 0.2 has no option for that, so each fragment's class is swapped for `WireCastFragment`, a
+subclass that keeps the pseudo-gradients it allreduces in that dtype and hands them back to the outer optimizer
+in the parameters' dtype (the sum over the ring is then done in that dtype too).
 
 Timing: a step's blocked time is what torchft's sync hook took after the inner optimizer step (quorum,
 allreduce, outer step). Bytes: the ring figure 2(W-1)/W of what a sync allreduces (the fragment's fp32
@@ -35,6 +38,7 @@ from worker.trainers.strategy import StepOutcome, Strategy, register
 log = logging.getLogger("deltaps.torchft")
 
 ALGORITHMS = ("diloco", "localsgd")
+WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TIMING_METHOD = "torchft: blocked = torchft's sync hook after the inner optimizer step (quorum, allreduce, outer step)"
 
 
@@ -62,6 +66,23 @@ def outer_optimizer(cfg, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=1.0)
     return torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                            nesterov=cfg.outer_optimizer == "nesterov")
+
+
+def wire_cast_fragments(synchronizer, dtype: torch.dtype) -> None:
+    """Make every fragment of a torchft DiLoCo allreduce its pseudo-gradients in `dtype` (see the module docstring)."""
+    from torchft.local_sgd import _StreamingDiLoCoFragment
+
+    class WireCastFragment(_StreamingDiLoCoFragment):
+        def _save_grads(self) -> None:
+            super()._save_grads()
+            self._grads = {name: g.to(dtype) for name, g in self._grads.items()}
+
+        def _set_grads(self) -> None:
+            params = dict(self._model_fragment.named_parameters())
+            self._grads = {name: g.to(params[name].dtype) for name, g in self._grads.items()}
+            super()._set_grads()
+    for fragment in synchronizer._fragments:
+        fragment.__class__ = WireCastFragment
 
 
 def own_address(lighthouse: str) -> str:
@@ -92,6 +113,11 @@ class TorchFT(Strategy):
                              "or --overlap-steps")
         if cfg.sync != "bsp":
             raise ValueError(f"--mode torchft runs synchronous quorums: --sync bsp, not {cfg.sync}")
+        if cfg.torchft_wire not in WIRE_DTYPES or not 0.0 <= cfg.torchft_alpha <= 1.0:
+            raise ValueError(f"--torchft-wire must be fp32, fp16 or bf16 and --torchft-alpha in [0, 1], got "
+                             f"{cfg.torchft_wire!r} and {cfg.torchft_alpha}")
+        if cfg.torchft_algorithm == "localsgd" and (cfg.torchft_wire != "fp32" or cfg.torchft_alpha):
+            raise ValueError("--torchft-algorithm localsgd averages the parameters: no --torchft-wire or --torchft-alpha")
 
     @classmethod
     def check_context(cls, ctx) -> None:
@@ -130,7 +156,10 @@ class TorchFT(Strategy):
             self.parts = fragments(model, cfg.stream_fragments)
             self.synchronizer = DiLoCo(self.manager, self.parts, inner,
                                        [outer_optimizer(cfg, f.parameters()) for f in self.parts],
-                                       sync_every=cfg.local_steps, fragment_sync_delay=max(0, cfg.overlap_steps))
+                                       sync_every=cfg.local_steps, fragment_sync_delay=max(0, cfg.overlap_steps),
+                                       fragment_update_alpha=cfg.torchft_alpha)
+            if cfg.torchft_wire != "fp32":
+                wire_cast_fragments(self.synchronizer, WIRE_DTYPES[cfg.torchft_wire])
         self.synchronizer.__enter__()
         self.sent, self._synced, self._t_inner = 0, False, 0.0
 
@@ -149,7 +178,8 @@ class TorchFT(Strategy):
         wire = 0
         if self._synced:
             part = self.parts[(syncs % len(self.parts))] if len(self.parts) > 1 else self.parts[0]
-            wire = ring_bytes(sum(p.numel() * p.element_size() for p in part.parameters()), self.ctx.world_size)
+            width = WIRE_DTYPES[self.cfg.torchft_wire].itemsize     # fp32 for localsgd (validated)
+            wire = ring_bytes(sum(p.numel() * width for p in part.parameters()), self.ctx.world_size)
         self.sent += wire
         return StepOutcome(loss.item(), wire)
 
@@ -182,7 +212,10 @@ class TorchFT(Strategy):
         self.synchronizer.__exit__(None, None, None)
         self._hook.remove()
         sent = self.sent
+        # a ring allreduce receives what it sends; every sync is a round's (no initial or final full transfer)
+        steady = {"steady_bytes_moved": 2 * int(sent), "steady_rounds": self.manager.current_step() / len(self.parts)}
         return dict(bytes_pushed_wire=int(sent), bytes_pushed_raw=int(sent), bytes_pulled_wire=int(sent),
                     extras={"torchft_algorithm": self.cfg.torchft_algorithm, "sync_every": self.cfg.local_steps,
                             "fragments": len(self.parts), "fragment_sync_delay": max(0, self.cfg.overlap_steps),
-                            "syncs": self.manager.current_step(), "timing_method": TIMING_METHOD})
+                            "fragment_update_alpha": self.cfg.torchft_alpha, "wire_dtype": self.cfg.torchft_wire,
+                            "syncs": self.manager.current_step(), "timing_method": TIMING_METHOD, **steady})

@@ -46,6 +46,7 @@ class Workload:
     target_field = "target_accuracy"      # the TrainConfig field holding the target for `metric`
     has_embeddings = False                # a model with embedding tables (hybrid, ddp:sparse)
     sequential = False                    # the model is an nn.Sequential of layers (pipeline stages cut it)
+    has_validation = False                # --eval-split validation: evaluations on data held out of training
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -57,6 +58,8 @@ class Workload:
             if getattr(cfg, other):
                 raise ValueError(f"--workload {cls.name} races to a test {cls.metric.removeprefix('test_')}: "
                                  f"use --{cls.target_field.replace('_', '-')}, not --{other.replace('_', '-')}")
+        if cfg.eval_split == "validation" and not cls.has_validation:
+            raise ValueError(f"--workload {cls.name} has no validation split (--eval-split validation)")
 
     @property
     def target(self) -> float:

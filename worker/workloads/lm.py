@@ -4,7 +4,7 @@ Data: the top-level `*.py` files of this Python's standard library (`sysconfig`'
 4.7 MB on 3.11.7), read as bytes and split by file — every 10th file (sorted by name) is test, the next one
 validation, the rest training — so no test text is ever trained on. A batch is `--batch-size` random windows
 of CONTEXT + 1 bytes from the training text (seeded by --seed and the rank); evaluation takes EVAL_WINDOWS
-fixed windows of the test (or validation) text.
+fixed windows of the test text (--eval-split validation: of the validation text).
 Model: byte embedding + learned positions, --layers pre-norm TransformerEncoderLayers of width --hidden
 (4 heads, feed-forward 4x, causal mask), a final LayerNorm and a linear read-out to 256 bytes.
 Metric: test loss in bits per byte (lower is better; the race target is --target-loss); next-byte accuracy
@@ -69,7 +69,7 @@ class ByteTransformer(nn.Module):
 class ByteLM(Workload):
     description = "the standard library's source as bytes, for a byte-level causal transformer"
     metric, target_field, higher_is_better = "test_bits_per_byte", "target_loss", False
-    eval_split = "test"
+    has_validation = True
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -80,7 +80,7 @@ class ByteLM(Workload):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.train_text = stdlib_text("train")
-        held_out = stdlib_text(self.eval_split)
+        held_out = stdlib_text(cfg.eval_split)       # test, or the validation files (--eval-split)
         starts = np.random.default_rng(cfg.seed + 99).integers(0, len(held_out) - CONTEXT - 1, EVAL_WINDOWS)
         self.eval_windows = windows(held_out, np.sort(starts))
 

@@ -49,6 +49,15 @@ def standardised_split(x, y, test_size, seed: int):
     return f(x_tr), torch.from_numpy(y_tr), f(x_te), torch.from_numpy(y_te)
 
 
+def hold_out(x: torch.Tensor, y: torch.Tensor, size: int, seed: int):
+    """(x_rest, y_rest, x_held, y_held): a stratified, seeded split of `size` samples out of (x, y) — the validation
+    set out of the training set (--eval-split validation), so the test set is never looked at."""
+    from sklearn.model_selection import train_test_split
+    rest, held = train_test_split(np.arange(len(y)), test_size=size, random_state=seed + 1, stratify=y.numpy())
+    rest, held = torch.from_numpy(np.sort(rest)), torch.from_numpy(np.sort(held))
+    return x[rest], y[rest], x[held], y[held]
+
+
 def worker_batches(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, batch_size: int, seed: int):
     """Endless batches from this worker's disjoint slice of the training set, reshuffled every epoch."""
     idx = torch.arange(rank, len(x), world_size)
@@ -76,12 +85,17 @@ def elastic_batches(x: torch.Tensor, y: torch.Tensor, rank: int, live, batch_siz
 
 class TabularWorkload(Workload):
     """An MLP (--hidden x --layers) on a standardised feature matrix; subclasses say where the data comes from
-    (`load_split(seed)` -> x_train, y_train, x_test, y_test tensors, float32 / int64)."""
+    (`load_split(seed)` -> x_train, y_train, x_test, y_test tensors, float32 / int64). With --eval-split validation
+    the evaluations use a validation set held out of the training data (as large as the test set) in place of the
+    test set, which stays as it is and unseen; the split, and so a test-set run, is the same as without it."""
     sequential = True
+    has_validation = True
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.x_tr, self.y_tr, self.x_te, self.y_te = self.load_split(cfg.seed)
+        if cfg.eval_split == "validation":     # x_te / y_te: what evaluations measure
+            self.x_tr, self.y_tr, self.x_te, self.y_te = hold_out(self.x_tr, self.y_tr, len(self.y_te), cfg.seed)
         self.classes = int(max(self.y_tr.max(), self.y_te.max())) + 1
 
     @staticmethod

@@ -1,0 +1,133 @@
+"""The race protocol of `deltaps bench compare` beyond time to target: the metric every mode has at one common
+step, the bytes a local-update round moves, and the training-time cap.
+
+* Common step (`--common-step S`; default: the largest steps to target of the seed's race, or, when no mode
+  reached the target, the last step every mode evaluated). A mode's `metric_at_common_step` is its first
+  evaluation at or after S (`common_step_evaluated_at`: S itself with `--common-step`, which makes every worker
+  evaluate at S and train on past its target until then; later where evaluations wait for a synced model: torchft
+  at its next sync, overlapped ps-local rounds). A mode whose evaluations end before S (it stopped at its own
+  target, or the cap stopped it) gets null and `common_step_note` says why — never an extrapolation.
+* `bytes_per_round_fraction` (local-update modes): the bytes one worker pushes + pulls per outer round (every
+  fragment once), steady state — the initial full pull and the end-of-job flush and full pull left out — over the
+  fp32 model's bytes (params x 4). ps-local fp32: about 2 (the delta up, the new model down); torchft: the ring
+  allreduce's 2(W-1)/W sent + as much received.
+* Time cap (`--time-cap X`): within a seed the peers run first; the cap is X x the best peer's time to target in
+  that seed. A mode is stopped once one of its ranks has evaluated, without reaching the target, after more
+  training seconds than the cap (the workers' --eval-log); any mode whose time to target exceeds the cap is
+  reported "not reached within the cap". No peer reached the target: no cap in that seed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def bytes_per_round_fraction(results: list[dict], model_params: int) -> float | None:
+    """Mean over the workers of (steady_bytes_moved / steady_rounds) / (model_params x 4); None where the workers
+    report no complete round (not a local-update mode, or no round before the loop ended)."""
+    per_worker = [r["steady_bytes_moved"] / r["steady_rounds"] for r in results if r.get("steady_rounds")]
+    if not per_worker or len(per_worker) != len(results) or not model_params:
+        return None
+    return sum(per_worker) / len(per_worker) / (model_params * 4)
+
+
+def default_common_step(modes: dict) -> int | None:
+    """The largest steps to target among the modes that reached it; none did: the last step every mode evaluated."""
+    curves = [m for m in modes.values() if m.get("evals")]
+    reached = [m["steps_to_target"] for m in curves if m.get("steps_to_target") is not None]
+    if reached:
+        return max(reached)
+    return min((m["evals"][-1]["step"] for m in curves), default=None)
+
+
+def add_metric_at_common_step(modes: dict, metric: str, common_step: int | None = None) -> int | None:
+    """Set `common_step`, `metric_at_common_step`, `common_step_evaluated_at` (and `common_step_note` where null) on
+    every mode of one seed's race that has figures; returns the common step (None: no mode evaluated)."""
+    step = common_step or default_common_step(modes)
+    if step is None:
+        return None
+    for m in modes.values():
+        if "error" in m:
+            continue
+        evals = m.get("evals") or []
+        at = next((e for e in evals if e["step"] >= step), None)
+        m["common_step"] = step
+        m["metric_at_common_step"] = at[metric] if at else None
+        m["common_step_evaluated_at"] = at["step"] if at else None
+        if at is None:
+            last = evals[-1]["step"] if evals else 0
+            m["common_step_note"] = (m.get("capped") or (
+                f"stopped at its target at step {last}, before the common step {step} (--common-step {step} runs "
+                f"every mode to it)" if m.get("steps_to_target") else f"evaluated up to step {last} only"))
+    return step
+
+
+# ---- the time cap ----------------------------------------------------------------------------------------
+def cap_seconds(peer_runs: list[dict], factor: float | None) -> float | None:
+    """factor x the best (smallest) time to target among one seed's peer runs; None: no cap, or no peer reached."""
+    times = [m["time_to_target_s"] for m in peer_runs if m.get("time_to_target_s") is not None]
+    return factor * min(times) if factor and times else None
+
+
+def read_eval_logs(paths: list[str]) -> list[list[dict]]:
+    """Each rank's evaluations so far (its --eval-log, JSON lines; a missing file or a half-written last line is
+    what a running job leaves: skipped)."""
+    out = []
+    for path in paths:
+        rows = []
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        break
+        out.append(rows)
+    return out
+
+
+def past_cap(eval_logs: list[list[dict]], cap_s: float) -> bool:
+    """True when the mode can no longer reach the target within cap_s: no rank's evaluation has reached it and some
+    rank evaluated after more than cap_s training seconds (time to target is the largest over the ranks)."""
+    if any(e.get("reached") for rows in eval_logs for e in rows):
+        return False
+    return any(e["time_s"] > cap_s for rows in eval_logs for e in rows)
+
+
+def capped_run(eval_logs: list[list[dict]], cap_s: float, factor: float) -> dict:
+    """The figures of a mode stopped by the cap: its evaluations (rank 0's values, the slowest rank's clock, as
+    bench_report.eval_fields) and the reason; no step-time or byte figures (the workers never finished)."""
+    steps = sorted({e["step"] for rows in eval_logs for e in rows})
+    curve = []
+    for step in steps:
+        at = [e for rows in eval_logs for e in rows if e["step"] == step]
+        curve.append({**{k: v for k, v in at[0].items() if k != "reached"}, "time_s": max(e["time_s"] for e in at)})
+    return {"capped": f"not reached within the cap ({factor:g} x the best peer's time to target = {cap_s:.2f} s of "
+                      f"training)", "cap_s": cap_s, "time_to_target_s": None, "steps_to_target": None,
+            "evals": curve, "steps": steps[-1] if steps else 0}
+
+
+def apply_time_cap(m: dict, cap_s: float | None, factor: float | None) -> None:
+    """A finished mode whose time to target passed the cap: not reached within it (its other figures stay)."""
+    if cap_s is None or "error" in m or m.get("capped"):
+        return
+    m["cap_s"] = cap_s
+    t = m.get("time_to_target_s")
+    if t is not None and t > cap_s:
+        m["capped"] = (f"reached after {t:.2f} s, beyond the cap ({factor:g} x the best peer's time to target = "
+                       f"{cap_s:.2f} s)")
+        m["time_to_target_s"] = m["steps_to_target"] = None
+
+
+def wait_within_cap(workers, timeout_s: float, eval_logs: list[str], cap_s: float | None) -> list | None:
+    """launch.wait_workers, watching the ranks' eval logs: None as soon as the mode is past the cap (the caller
+    stops the workers), else what wait_workers returns (the failed ranks; [] when all succeeded)."""
+    from deltaps.tools.launch import wait_workers
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = wait_workers(workers, max(0.0, min(1.0, deadline - time.monotonic())))
+        if any(code != "timeout" for _, code in failed) or not failed or time.monotonic() >= deadline:
+            return failed
+        if cap_s is not None and past_cap(read_eval_logs(eval_logs), cap_s):
+            return None
