@@ -99,8 +99,9 @@ class PSClient:
 
     # ---- setup -----------------------------------------------------------------------------
     def setup(self, named: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]] = (),
-              buffer_sync: str = "broadcast") -> dict[str, torch.Tensor]:
-        """Register with every shard, let rank 0 initialise the keys, then pull the server's values.
+              buffer_sync: str = "broadcast", pull: bool = True) -> dict[str, torch.Tensor] | None:
+        """Register with every shard, let rank 0 initialise the keys, then pull the server's values (pull=False:
+        the caller pulls them itself — one model download, not two, on a slow link).
         buffers: model buffers the shards keep in sync as buffer_sync says (broadcast | average | local:
         left out of the layout; see ps/buffers.py); they are pushed and pulled by name like parameters."""
         params = [(n, t.numel(), dtype_name(t.dtype)) for n, t in named]
@@ -134,7 +135,7 @@ class PSClient:
             for shard, rep in enumerate(replies):
                 if not rep.initialized:
                     self._init_shard(shard, values)
-        return self.pull(min_version=0)
+        return self.pull(min_version=0) if pull else None
 
     def _init_shard(self, shard: int, values: dict[str, torch.Tensor]) -> None:
         for batch in message_batches([k for k in self.layout if k.shard == shard], self.chunk_bytes):

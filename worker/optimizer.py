@@ -74,7 +74,7 @@ class DistributedOptimizer:
         self._pending: dict[int, list[Future]] = {}            # bucket -> its PushPull futures
         self._passes: dict[str, int] = {}
         self.client.setup([(n, p.detach()) for n, p in self.named], [(n, b.detach()) for n, b in self.named_buffers],
-                          buffers)
+                          buffers, pull=False)       # the delta pull below is the first download (it waits for init)
         self.round = self.client.start_step    # a worker (re)joining a running job starts at its current step
         self.clock = self.round * max(1, local_steps)
         self.load(self.client.pull(out=self.staging, delta=True))
