@@ -19,9 +19,15 @@ def _run(tmp_path, **over) -> tuple[dict, dict]:
     return summary, torch.load(out)
 
 
-def test_torchft_diloco_is_deltaps_local_updates_with_the_same_outer_nesterov(tmp_path):
-    ft, ft_model = _run(tmp_path, mode="torchft")
-    ps, ps_model = _run(tmp_path, mode="ps")
+@pytest.fixture(scope="module")
+def job_runs(tmp_path_factory):
+    """JOB's torchft run and ps run, made once for the tests that compare against them (a launch costs seconds)."""
+    tmp = tmp_path_factory.mktemp("job")
+    return {mode: _run(tmp, mode=mode) for mode in ("torchft", "ps")}
+
+
+def test_torchft_diloco_is_deltaps_local_updates_with_the_same_outer_nesterov(job_runs):
+    (ft, ft_model), (ps, ps_model) = job_runs["torchft"], job_runs["ps"]
     assert ft_model.keys() == ps_model.keys()
     diff = max((ft_model[k] - ps_model[k]).abs().max().item() for k in ft_model)
     assert diff < 1e-6, diff                        # same rounds, same mean pseudo-gradient, same Nesterov
@@ -31,18 +37,18 @@ def test_torchft_diloco_is_deltaps_local_updates_with_the_same_outer_nesterov(tm
     assert ft["final_test_accuracy"] == pytest.approx(ps["final_test_accuracy"])
 
 
-def test_a_spec_s_own_outer_settings_reach_both_sides(tmp_path):
+def test_a_spec_s_own_outer_settings_reach_both_sides(tmp_path, job_runs):
     from deltaps.strategies import parse_mode_spec
     outer = ":outer=sgd:outer_lr=0.5:outer_momentum=0.5"       # not the JOB's nesterov 0.7 / 0.9
     _, ft_model = _run(tmp_path, **parse_mode_spec("torchft:diloco:sync=4" + outer).overrides())
     _, ps_model = _run(tmp_path, **parse_mode_spec("ps-local4:none" + outer).overrides())
-    _, nesterov = _run(tmp_path, mode="ps")
+    _, nesterov = job_runs["ps"]
     assert max((ft_model[k] - ps_model[k]).abs().max().item() for k in ft_model) < 1e-6
     assert max((nesterov[k] - ps_model[k]).abs().max().item() for k in ft_model) > 1e-4     # the settings took
 
 
-def test_a_bf16_wire_halves_the_bytes_and_stays_close(tmp_path):
-    fp32, fp32_model = _run(tmp_path, mode="torchft")
+def test_a_bf16_wire_halves_the_bytes_and_stays_close(tmp_path, job_runs):
+    fp32, fp32_model = job_runs["torchft"]
     bf16, bf16_model = _run(tmp_path, mode="torchft", torchft_wire="bf16")
     assert bf16["per_worker"][0]["wire_dtype"] == "bf16"
     assert 2 * bf16["per_worker"][0]["bytes_pushed_wire"] == fp32["per_worker"][0]["bytes_pushed_wire"]
