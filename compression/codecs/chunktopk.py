@@ -3,7 +3,7 @@ ceil(density x chunk) largest |x| (zeros never sent), their positions within the
 their values on 2^bits signed levels of the chunk's max |x|; error feedback on the worker (on by default) carries
 what was not sent into the next round. At density 1/64, bits 2 and chunk 4096 a payload is ~0.72 % of fp32.
 
-Body: float32 scale per chunk | uint16 count per chunk | positions bit-packed at log2(chunk) bits | value codes
+Body: float32 scale per chunk | int16 count per chunk | positions bit-packed at log2(chunk) bits | value codes
 bit-packed at `bits` bits (chunk-major, ascending position). Header {n, chunk, bits}. A code c in [0, 2^bits)
 decodes to (2c - L) / L x scale, L = 2^bits - 1: the levels are odd multiples of scale / L, no zero level — a
 zero is simply not sent (hence the counts). The shards sum the decoded contributions into fp32 (index_add_).
@@ -21,7 +21,7 @@ from compression.codecs.common import flat_float, make_payload
 from compression.codecs.sparse import SparseCodec
 from compression.wire import check_payload, header_int, new_body, read_body
 
-MAX_CHUNK = 1 << 15          # a count fits a uint16
+MAX_CHUNK = (1 << 15) - 1    # a count fits an int16
 BITS = (2, 4)
 
 
@@ -118,6 +118,9 @@ class ChunkTopKCodec(SparseCodec):
         row_of = torch.repeat_interleave(torch.arange(rows), counts)
         if sent and bool((pos >= lengths[row_of]).any()):
             raise CodecError("chunktopk: a position lies outside its chunk")
+        if sent > 1 and bool(((row_of[1:] == row_of[:-1]) & (pos[1:] <= pos[:-1])).any()):
+            raise CodecError("chunktopk: positions within a chunk are not strictly ascending (a repeated position "
+                             "would be added twice)")
         levels = (1 << bits) - 1
         vals = (2 * codes - levels).to(torch.float32) / levels * scales[row_of]
         return n, row_of * c + pos, vals

@@ -64,7 +64,7 @@ def test_nan_and_inf_are_refused_by_name(bad):
 
 @pytest.mark.parametrize("spec,match", [("chunktopk:density=0", "density must be in"),
                                         ("chunktopk:chunk=1", "chunk must be an int"),
-                                        ("chunktopk:chunk=65536", "chunk must be an int"),
+                                        ("chunktopk:chunk=32768", "chunk must be an int"),
                                         ("chunktopk:bits=3", "bits must be one of")])
 def test_bad_specs_say_what_is_wrong(spec, match):
     with pytest.raises(CodecError, match=match):
@@ -87,6 +87,8 @@ def test_corrupt_counts_positions_and_headers_are_codec_errors():
     # positions start at byte 12, 6 bits each: entries 0-6 are the first chunk's, 7-10 the 36-element tail's
     with pytest.raises(CodecError, match="position lies outside its chunk"):
         decode_payload(_tampered(p, 12 + 6, b"\xff" * 3))         # entries 8-10 -> position 63
+    with pytest.raises(CodecError, match="not strictly ascending"):        # entry 1 = entry 0's position
+        decode_payload(_tampered(p, 12, bytes(2)))
     for header, match in (({"bits": 3}, "bits=3"), ({"n": 99}, "does not match shape"), ({"chunk": 1}, "chunk")):
         with pytest.raises(CodecError, match=match):
             decode_payload(Payload(p.codec, p.shape, p.dtype, p.data, {**p.header, **header}))
