@@ -25,11 +25,15 @@ MAX_CHUNK = (1 << 15) - 1    # a count fits an int16
 BITS = (2, 4)
 
 
+def _position_bits(chunk: int) -> int:
+    """Bits of a position within a chunk."""
+    return max(1, (chunk - 1).bit_length())
+
+
 def _sections(n: int, chunk: int, bits: int, sent: int):
     chunks = -(-n // chunk)
-    pos_bits = max(1, (chunk - 1).bit_length())
-    return [(torch.float32, chunks), (torch.int16, chunks), (torch.uint8, wire.packed_nbytes(sent, pos_bits)),
-            (torch.uint8, wire.packed_nbytes(sent, bits))]
+    return [(torch.float32, chunks), (torch.int16, chunks),
+            (torch.uint8, wire.packed_nbytes(sent, _position_bits(chunk))), (torch.uint8, wire.packed_nbytes(sent, bits))]
 
 
 @register("chunktopk")
@@ -86,8 +90,7 @@ class ChunkTopKCodec(SparseCodec):
         body, (scales, cnt, pos_sec, code_sec) = new_body(_sections(n, c, self.bits, sent))
         scales.copy_(scale)
         cnt.copy_(counts.to(torch.int16))
-        pos_bits = max(1, (c - 1).bit_length())
-        pos_sec.copy_(torch.from_numpy(wire.bitpack(pos[keep].numpy().astype(np.uint64), pos_bits)))
+        pos_sec.copy_(torch.from_numpy(wire.bitpack(pos[keep].numpy().astype(np.uint64), _position_bits(c))))
         code_sec.copy_(torch.from_numpy(wire.bitpack(codes.to(torch.int64).numpy().astype(np.uint64), self.bits)))
         return make_payload(self.name, tensor, body, {"n": n, "chunk": c, "bits": self.bits})
 
@@ -113,7 +116,7 @@ class ChunkTopKCodec(SparseCodec):
             raise CodecError("chunktopk: a chunk count is negative or exceeds its chunk")
         sent = int(counts.sum())
         scales, _, pos_sec, code_sec = read_body(payload, _sections(n, c, bits, sent))
-        pos = torch.from_numpy(wire.bitunpack(pos_sec.numpy(), sent, max(1, (c - 1).bit_length())).astype(np.int64))
+        pos = torch.from_numpy(wire.bitunpack(pos_sec.numpy(), sent, _position_bits(c)).astype(np.int64))
         codes = torch.from_numpy(wire.bitunpack(code_sec.numpy(), sent, bits).astype(np.int64))
         row_of = torch.repeat_interleave(torch.arange(rows), counts)
         if sent and bool((pos >= lengths[row_of]).any()):

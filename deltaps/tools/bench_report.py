@@ -79,7 +79,7 @@ def _ratio(reference: dict | None, m: dict) -> float | None:
 def add_speedups(report: dict) -> None:
     """Per mode, step-time speed-ups and accuracy deltas against the invocation's fp32 DDP run (`allreduce` or
     `ddp`); ctr: the speed-up against ddp:sparse, the DDP a user would run on an embedding model."""
-    ar = report["modes"].get("allreduce", report["modes"].get("ddp"))    # the fp32 DDP run is the reference
+    ar = fp32_ddp_run(report["modes"])    # the fp32 DDP run is the reference
     if ar and measured(ar):
         for m in filter(measured, report["modes"].values()):
             m["speedup_vs_allreduce"] = ar["median_step_s"] / m["median_step_s"] if m["median_step_s"] else math.nan
@@ -100,7 +100,7 @@ def add_speedups(report: dict) -> None:
 def add_common_step_deltas(report: dict) -> None:
     """Per mode, its metric at the common step minus fp32 DDP's (`metric_at_common_step_delta_vs_ddp`) and the flag
     `common_step_flag`: beyond ACCURACY_FLAG points (accuracy, AUC) or LOSS_FLAG relative (a loss)."""
-    ddp = report["modes"].get("ddp", report["modes"].get("allreduce")) or {}
+    ddp = fp32_ddp_run(report["modes"]) or {}
     ref = ddp.get("metric_at_common_step")
     for m in report["modes"].values():
         v = m.get("metric_at_common_step")
@@ -119,7 +119,7 @@ def add_time_to_accuracy(report: dict, target: float | None) -> None:
     peers = [k for k, m in modes.items() if is_peer(k) and m.get("time_to_target_s") is not None]
     best = min(peers, key=lambda k: modes[k]["time_to_target_s"], default=None)
     report["best_peer"] = best
-    ddp = modes.get("ddp", modes.get("allreduce"))
+    ddp = fp32_ddp_run(modes)
     for m in modes.values():
         m.setdefault("time_to_target_s", None)
         m.setdefault("steps_to_target", None)
@@ -336,6 +336,11 @@ def plot(report: dict, path: str) -> None:
 
 def format_table(report: dict) -> str:
     return format_table_ctr(report) if report.get("workload") == "ctr" else format_table_mlp(report)
+
+
+def fp32_ddp_run(modes: dict) -> dict | None:
+    """The invocation's fp32 DDP run (spelled `ddp` or `allreduce`), the reference of the speed-ups and deltas."""
+    return modes.get("ddp", modes.get("allreduce"))
 
 
 def ddp_sparse_run(report: dict) -> dict | None:

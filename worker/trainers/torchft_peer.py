@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from deltaps.strategies import WIRE_DTYPES
 from worker.trainers.base import local_optimizer
 from worker.trainers.collective import ring_bytes
 from worker.trainers.strategy import StepOutcome, Strategy, register
@@ -38,7 +39,7 @@ from worker.trainers.strategy import StepOutcome, Strategy, register
 log = logging.getLogger("deltaps.torchft")
 
 ALGORITHMS = ("diloco", "localsgd")
-WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_TORCH_DTYPES = dict(zip(WIRE_DTYPES, (torch.float32, torch.float16, torch.bfloat16)))   # --torchft-wire
 TIMING_METHOD = "torchft: blocked = torchft's sync hook after the inner optimizer step (quorum, allreduce, outer step)"
 
 
@@ -113,7 +114,7 @@ class TorchFT(Strategy):
                              "or --overlap-steps")
         if cfg.sync != "bsp":
             raise ValueError(f"--mode torchft runs synchronous quorums: --sync bsp, not {cfg.sync}")
-        if cfg.torchft_wire not in WIRE_DTYPES or not 0.0 <= cfg.torchft_alpha <= 1.0:
+        if cfg.torchft_wire not in WIRE_TORCH_DTYPES or not 0.0 <= cfg.torchft_alpha <= 1.0:
             raise ValueError(f"--torchft-wire must be fp32, fp16 or bf16 and --torchft-alpha in [0, 1], got "
                              f"{cfg.torchft_wire!r} and {cfg.torchft_alpha}")
         if cfg.torchft_algorithm == "localsgd" and (cfg.torchft_wire != "fp32" or cfg.torchft_alpha):
@@ -159,7 +160,7 @@ class TorchFT(Strategy):
                                        sync_every=cfg.local_steps, fragment_sync_delay=max(0, cfg.overlap_steps),
                                        fragment_update_alpha=cfg.torchft_alpha)
             if cfg.torchft_wire != "fp32":
-                wire_cast_fragments(self.synchronizer, WIRE_DTYPES[cfg.torchft_wire])
+                wire_cast_fragments(self.synchronizer, WIRE_TORCH_DTYPES[cfg.torchft_wire])
         self.synchronizer.__enter__()
         self.sent, self._synced, self._t_inner = 0, False, 0.0
 
@@ -178,7 +179,7 @@ class TorchFT(Strategy):
         wire = 0
         if self._synced:
             part = self.parts[(syncs % len(self.parts))] if len(self.parts) > 1 else self.parts[0]
-            width = WIRE_DTYPES[self.cfg.torchft_wire].itemsize     # fp32 for localsgd (validated)
+            width = WIRE_TORCH_DTYPES[self.cfg.torchft_wire].itemsize     # fp32 for localsgd (validated)
             wire = ring_bytes(sum(p.numel() * width for p in part.parameters()), self.ctx.world_size)
         self.sent += wire
         return StepOutcome(loss.item(), wire)
