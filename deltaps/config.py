@@ -36,7 +36,10 @@ class TrainConfig:
         "powersgd:rank=R[:start=S] (PowerSGD with error feedback and warm start; plain allreduce before step S, "
         "default 10) or localsgd:period=H[:start=S] (post-local SGD: no gradient allreduce from step S, default 1; "
         "models averaged every H steps); see docs/compare.md")
-    sync: str = option("bsp", "bsp, asp or ssp:S")
+    sync: str = option(
+        "bsp",
+        "bsp, asp, ssp:S or quorum:Q[:grace=G] (local-update rounds that close at Q workers plus a grace window: "
+        "G x the recent rounds' time, or Gs seconds; docs/local-updates.md#quorum-rounds)")
     servers: int = option(2, "number of PS shards (launch)")
     workers: int = option(2, "number of workers / world size (launch)")
     min_workers: int = option(

@@ -9,9 +9,10 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
   ps[:<codec>] | ps-bsp[:<codec>]       synchronous PS, gradients through the codec (default none; the codec spec
                                         is all that follows the first colon: ps:topk:ratio=0.01 -> topk:ratio=0.01)
   ps-asp[:<codec>]                      asynchronous PS
-  ps-local<H>[x<F>][o<tau>][:<codec>][:<outer>]
+  ps-local<H>[x<F>][o<tau>][q<Q>][:<codec>][:grace=G][:<outer>]
                                         PS local updates: --local-steps H, --stream-fragments F, --overlap-steps
-                                        tau (docs/local-updates.md), the deltas through the codec
+                                        tau (docs/local-updates.md), the deltas through the codec; q<Q>: quorum
+                                        rounds, --sync quorum:Q[:grace=G] (ps/rounds.py)
   hybrid[:fp16|bf16]                    embeddings row-sparse on the PS, the dense part allreduced (--workload
                                         ctr), optionally through the fp16 / bf16 hook
   torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:<outer>]
@@ -34,12 +35,15 @@ Hook specs (`parse_ddp_hook`; `:` or `,` separate the parameters):
                                 PowerSGD (vanilla allreduce before step S, default 10, at least 2: DDP rebuilds
                                 its buckets at step 1, and error feedback / warm start are kept per bucket)
   localsgd:period=H[:start=S]   torch's post-local-SGD (gradient allreduce before step S, default 1)
-worker/trainers/ddp_hooks.py builds and runs the hooks. This module imports nothing of deltaps' packages.
+worker/trainers/ddp_hooks.py builds and runs the hooks. This module imports nothing of deltaps' packages but
+the leaf deltaps.sync.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+from deltaps.sync import parse_sync
 
 __all__ = ["MODES", "FAMILIES", "MODE_FORMS", "HOOK_FORMS", "ModeSpec", "parse_mode_spec", "split_mode_specs",
            "ps_codecs", "HookSpec", "parse_ddp_hook", "POWERSGD_START", "LOCALSGD_START"]
@@ -49,14 +53,15 @@ FAMILIES = ("ddp", "ps", "hybrid", "torchft")         # what a mode spec names (
 PEER_FAMILIES = ("ddp", "torchft")                    # what users run instead of deltaps: the race's peers
 HALF_HOOKS = ("fp16", "bf16")                         # the hooks ddp:sparse's and hybrid's dense buckets take
 MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-asp:<codec>, "
-              "ps-local<H>[x<F>][o<tau>]:<codec>[:outer=..], hybrid[:fp16|bf16], "
+              "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>[:grace=G][:outer=..], hybrid[:fp16|bf16], "
               "torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:outer=..] "
               "or torchft:localsgd:sync=H")
 TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps"}
 OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"}
 OUTER_ITEM = re.compile(r"(?:^|[:,])(outer(?:_lr|_momentum)?)=([^:,]*)")
 WIRE_DTYPES = ("fp32", "fp16", "bf16")     # torchft:diloco's wire=: the dtype its pseudo-gradients are allreduced in
-LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?")
+LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?(?:q(\d+))?")
+GRACE_ITEM = re.compile(r"(?:^|[:,])grace=([^:,]*)")
 
 POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
 LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
@@ -66,7 +71,7 @@ HOOK_FORMS = "none, fp16, bf16, powersgd:rank=R[:start=S][:impl=auto|torch|delta
 @dataclass(frozen=True)
 class ModeSpec:
     family: str                          # ddp | ps | hybrid
-    sync: str = "bsp"                    # ps: bsp | asp
+    sync: str = "bsp"                    # ps: bsp | asp | quorum:Q:grace=G (ps-local<H>q<Q>)
     codec: str = "none"                  # ps: the codec spec, as written (compression/)
     local_steps: int | None = None       # ps-local<H>: inner steps per PS round (None: not a local-update mode)
     stream_fragments: int = 1            # ps-local<H>x<F>
@@ -123,7 +128,11 @@ class ModeSpec:
             return f"{'ps-asp' if self.sync == 'asp' else 'ps'}:{self.codec}"
         fragments = f"x{self.stream_fragments}" if self.stream_fragments != 1 else ""
         overlap = f"o{self.overlap_steps}" if self.overlap_steps is not None else ""
-        return f"ps-local{self.local_steps}{fragments}{overlap}:{self.codec}{self.outer_text()}"
+        quorum, grace = "", ""
+        if self.sync.startswith("quorum:"):
+            _, q, grace = self.sync.split(":")
+            quorum, grace = f"q{q}", f":{grace}"
+        return f"ps-local{self.local_steps}{fragments}{overlap}{quorum}:{self.codec}{grace}{self.outer_text()}"
 
 
 def parse_mode_spec(text: str) -> ModeSpec:
@@ -141,7 +150,8 @@ def parse_mode_spec(text: str) -> ModeSpec:
         return ModeSpec("ps", sync="asp" if head == "ps-asp" else "bsp", codec=arg or "none", text=text)
     local = LOCAL_HEAD.fullmatch(head)
     if local:
-        return ModeSpec("ps", codec=codec or "none", local_steps=int(local[1]), stream_fragments=int(local[2] or 1),
+        codec, sync = _quorum_sync(local[4], codec, text)
+        return ModeSpec("ps", sync=sync, codec=codec or "none", local_steps=int(local[1]), stream_fragments=int(local[2] or 1),
                         overlap_steps=int(local[3]) if local[3] else None, text=text, **outer)
     if head == "hybrid":
         if arg not in ("", *HALF_HOOKS):
@@ -163,6 +173,20 @@ def _outer_fields(arg: str, text: str) -> tuple[str, dict]:
         if key == "outer" and value not in ("avg", "sgd", "nesterov"):
             raise ValueError(f"mode {text!r}: outer must be avg, sgd or nesterov, got {value!r}")
     return OUTER_ITEM.sub("", arg).lstrip(":,"), fields
+
+
+def _quorum_sync(quorum: str | None, arg: str, text: str) -> tuple[str, str]:
+    """A local-update spec's q<Q> and grace=G -> (the rest of its argument, its sync mode's canonical spelling)."""
+    graces = GRACE_ITEM.findall(arg)
+    if graces and not quorum:
+        raise ValueError(f"mode {text!r}: grace= needs quorum rounds (ps-local<H>q<Q>)")
+    if not quorum:
+        return arg, "bsp"
+    try:
+        sync = parse_sync(f"quorum:{quorum}" + (f":grace={graces[-1]}" if graces else ""))
+    except ValueError as e:
+        raise ValueError(f"mode {text!r}: {e}") from None
+    return GRACE_ITEM.sub("", arg).lstrip(":,"), str(sync)
 
 
 def _torchft_spec(arg: str, text: str) -> ModeSpec:

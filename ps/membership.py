@@ -20,8 +20,8 @@ PAUSE_LOG_EVERY_S = 30.0
 
 class Membership:
     """Needs from the shard: lock, members, keys, live, job, last_seen, counters, worker_timeout_s, _barriers,
-    _barrier_cond, _reaper, checkpointing, durable_hist, shard_id, and the step-completion hooks
-    _maybe_complete_step / _publish, _require_job."""
+    _barrier_cond, in_barrier, rounds, stopped, _reaper, checkpointing, durable_hist, shard_id, and the
+    step-completion hooks _maybe_complete_step / _publish, _require_job."""
 
     # ---- elastic membership ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -79,7 +79,7 @@ class Membership:
                 for ks in self.keys.values():
                     if not ks.initialized:
                         continue
-                    if self.job.sync.kind == "bsp":
+                    if self.job.sync.rounds:
                         self._maybe_complete_step(ks)
                     elif self.live:
                         version = min(ks.pushed.get(w, 0) for w in self.live)
@@ -134,8 +134,26 @@ class Membership:
 
     # ---- barriers: every live worker arrives (an eviction releases the others) ------------------
     def barrier(self, worker: int, name: str, timeout_s: float = 0.0, alive=None) -> float:
+        """Wait until every live worker arrived at barrier `name`. Meanwhile the worker pushes nothing: quorum
+        rounds stop counting on it (ps/rounds.py), so the last worker still training is never stuck on it."""
         self._require_job()
         self.touch(worker)
+        with self._barrier_cond:
+            self.in_barrier.add(worker)
+        try:
+            if self.rounds is not None:
+                self._close_due_rounds()
+            return self._wait_barrier(worker, name, timeout_s, alive)
+        finally:
+            with self._barrier_cond:
+                self.in_barrier.discard(worker)
+
+    def _close_due_rounds(self) -> None:
+        for ks in list(self.keys.values()):
+            with ks.cond:
+                self._maybe_complete_step(ks)
+
+    def _wait_barrier(self, worker: int, name: str, timeout_s: float, alive) -> float:
         timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
         t0 = time.monotonic()
         with self._barrier_cond:
@@ -157,6 +175,26 @@ class Membership:
                     raise ShardError("CANCELLED", "the client waiting in the barrier went away")
                 self.touch(worker)
         return time.monotonic() - t0
+
+    def stop(self, worker: int, step: int, time_s: float, reason: str = "") -> bool:
+        """A worker stopped the job (--sync quorum: its evaluation reached the target). Pulls waiting for a round
+        return at once, every pull answer carries the stop from now on. False: already stopped (first one stands)."""
+        job = self._require_job()
+        if not 0 <= worker < max(job.world_size, job.max_workers):
+            raise ShardError("INVALID_ARGUMENT", f"Stop from worker {worker}: outside the job's worker ids")
+        if step < 0 or not time_s >= 0:
+            raise ShardError("INVALID_ARGUMENT", f"Stop needs step >= 0 and time_s >= 0, got {step} and {time_s}")
+        with self.lock:
+            first = self.stopped is None
+            if first:
+                self.stopped = {"worker_id": worker, "step": step, "time_s": time_s, "reason": reason}
+                log.warning("shard %d: worker %d stopped the job at its step %d (%.2f s): %s", self.shard_id, worker,
+                            step, time_s, reason or "no reason given")
+            keys = list(self.keys.values())
+        for ks in keys:          # wake pulls waiting for a round that may never close
+            with ks.cond:
+                ks.cond.notify_all()
+        return first
 
     # ---- elastic jobs -----------------------------------------------------------------------
     @property

@@ -127,6 +127,8 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         rep.waited_s, rep.server_id = waited, self.shard.server_id
         rep.codec, rep.codec_epoch = self.shard.codec, self.shard.codec_epoch
         rep.live_workers.extend(sorted(self.shard.live))
+        if self.shard.stopped is not None:
+            rep.stopped.CopyFrom(pb.StopRequest(**self.shard.stopped))
 
     @_guard
     def Barrier(self, req, context):
@@ -140,6 +142,10 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         spec, epoch = self.shard.set_codec(req.codec)
         log.warning("codec switched to %r (epoch %d)", spec, epoch)
         return pb.SetCodecResponse(codec=spec, codec_epoch=epoch)
+
+    @_guard
+    def Stop(self, req, context):
+        return pb.StopResponse(first=self.shard.stop(req.worker_id, req.step, req.time_s, req.reason))
 
     @_guard
     def Stats(self, req, context):

@@ -26,6 +26,8 @@ from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView
+from ps.rounds import QuorumRounds
+from ps.shard_stats import shard_stats
 from ps.state import Job, KeyState
 
 log = logging.getLogger("deltaps.shard")
@@ -51,6 +53,8 @@ class Shard(Membership):
         self.checkpoint_version = -1               # min key version of the latest checkpoint (-1: none)
         self._reaper: threading.Thread | None = None
         self.job: Job | None = None
+        self.rounds: QuorumRounds | None = None    # --sync quorum: when rounds close (ps/rounds.py)
+        self.stopped: dict | None = None           # Stop: {worker, step, time_s, reason} of the first stop
         self.keys: dict[str, KeyState] = {}
         self.live: set[int] = set()
         self.lock = threading.Lock()
@@ -64,6 +68,7 @@ class Shard(Membership):
         self.counters = Counter()
         self.staleness = Counter()
         self._barriers: dict[str, dict] = {}
+        self.in_barrier: set[int] = set()          # workers waiting in a barrier: quorum rounds do not wait for them
         self._barrier_cond = threading.Condition()
 
     # ---- membership -------------------------------------------------------------------------
@@ -89,6 +94,9 @@ class Shard(Membership):
             pull_spec = resolve_pull_codec(pull_codec, codec)
         except ValueError as e:
             raise ShardError("INVALID_ARGUMENT", str(e)) from None
+        if mode.kind == "quorum" and not local_steps:
+            raise ShardError("INVALID_ARGUMENT", f"--sync {mode} is for local-update jobs (--local-steps H > 0): a "
+                                                 f"round's late deltas fold into the next one, gradients would not")
         for k in keys:
             if k.shard != self.shard_id:
                 raise ShardError("INVALID_ARGUMENT", f"key {k.key} belongs to shard {k.shard}, not {self.shard_id}")
@@ -100,6 +108,7 @@ class Shard(Membership):
                                local_steps=local_steps)
                 self.codec = codec
                 self.pull_spec = pull_spec
+                self._start_rounds()
                 self.keys = {k.key: KeyState(k, torch.zeros(k.numel, dtype=torch.float32)) for k in keys}
                 self.live = set(range(world_size))
                 now = time.monotonic()
@@ -112,6 +121,9 @@ class Shard(Membership):
             self.restored = False
             self.touch(worker)
             return all(ks.initialized for ks in self.keys.values())
+
+    def _start_rounds(self) -> None:
+        self.rounds = QuorumRounds(self.job.sync, self._maybe_complete_step) if self.job.sync.kind == "quorum" else None
 
     def _require_job(self) -> Job:
         if self.job is None:
@@ -178,6 +190,8 @@ class Shard(Membership):
                     raise ShardError("INVALID_ARGUMENT", f"gradient for key {key!r} contains NaN or Inf")
                 g = None     # --nonfinite skip: acknowledged and counted as pushed, never applied
             expected = ks.pushed.get(worker, 0)
+            if job.sync.kind == "quorum":    # a worker that pulled version v may skip to round v (ps/rounds.py)
+                expected = max(expected, ks.version)
             if step > expected:
                 raise ShardError("FAILED_PRECONDITION",
                                  f"worker {worker} pushed step {step} for key {key!r} but its next step is {expected}")
@@ -192,25 +206,18 @@ class Shard(Membership):
 
     def _apply(self, job: Job, ks: KeyState, worker: int, step: int, g: Decoded, pulled: int):
         with ks.cond:
-            if job.sync.kind == "bsp":
+            if job.sync.rounds:
                 self._wait_for_step(ks, worker, step)
             if step < ks.pushed.get(worker, 0):
                 self.counters["duplicates"] += 1
                 return True, ks.version
-            self.staleness[max(0, step - pulled)] += 1
+            # rounds the gradient or delta missed (quorum: a late delta lands on the open round)
+            self.staleness[max(0, (ks.version if job.sync.kind == "quorum" else step) - pulled)] += 1
             ks.pushed[worker] = step + 1
             if g is None:
                 self.counters["nonfinite_skipped"] += 1
-            if job.sync.kind == "bsp":
-                if ks.agg is None:
-                    ks.agg = torch.zeros_like(ks.value)
-                if ks.spec.is_buffer:
-                    buffers.take(ks, worker, g)
-                elif g is not None:
-                    g.add_to(ks.agg)
-                    ks.opt.note_push(g)      # all-top-k steps are applied lazily (ps/optimizer.py)
-                ks.agg_from.add(worker)      # a skipped gradient counts as zero in this step's mean
-                self._maybe_complete_step(ks)
+            if job.sync.rounds:
+                self._contribute(ks, worker, step, g)
             else:
                 if ks.spec.is_buffer:
                     buffers.assign(ks, worker, g, self.live)
@@ -226,6 +233,23 @@ class Shard(Membership):
                 ks.cond.notify_all()
             return False, ks.version
 
+    def _contribute(self, ks: KeyState, worker: int, step: int, g: Decoded | None) -> None:
+        """bsp / quorum: add a push to the open round's sum (ks.cond held); a skipped gradient counts as zero."""
+        if ks.agg is None:
+            ks.agg = torch.zeros_like(ks.value)
+        if ks.spec.is_buffer:
+            buffers.take(ks, worker, g)
+        elif g is not None:
+            g.add_to(ks.agg)
+            ks.opt.note_push(g)      # all-top-k steps are applied lazily (ps/optimizer.py)
+        if step < ks.version:
+            self.counters["late_contributions"] += 1
+        if self.rounds is not None:
+            self.rounds.contributed(ks)
+        ks.agg_from.add(worker)
+        ks.agg_count += 1
+        self._maybe_complete_step(ks)
+
     def _wait_for_step(self, ks: KeyState, worker: int, step: int) -> None:
         """bsp: a push of step s is aggregated only once the key finished step s-1 (ks.cond held). Normal
         training never waits here (a worker pulls version s before pushing step s); a replay after a shard
@@ -240,18 +264,25 @@ class Shard(Membership):
             self.touch(worker)
 
     def _maybe_complete_step(self, ks: KeyState) -> None:
-        if ks.agg_from and self.live <= ks.agg_from and not self.paused:
-            self.step_contributors[len(ks.agg_from)] += 1
-            if ks.spec.is_buffer:
-                buffers.finish(ks)
-            else:
-                ks.opt.apply_step(ks.agg / len(ks.agg_from))
-                self._count_update()
-            ks.agg.zero_()
-            ks.agg_from.clear()
-            ks.version += 1
-            self._publish(ks)
-            ks.cond.notify_all()
+        """Apply the open round of `ks` if it is complete: bsp, every live worker pushed; quorum, ps/rounds.py."""
+        if not ks.agg_from or self.paused:
+            return
+        if not (self.live <= ks.agg_from if self.rounds is None else self.rounds.due(ks, self.live - self.in_barrier)):
+            return
+        self.step_contributors[len(ks.agg_from)] += 1
+        if ks.spec.is_buffer:
+            buffers.finish(ks)
+        else:
+            ks.opt.apply_step(ks.agg / ks.agg_count)   # the mean over contributions
+            self._count_update()
+        ks.agg.zero_()
+        ks.agg_from.clear()
+        ks.agg_count = 0
+        ks.version += 1
+        if self.rounds is not None:
+            self.rounds.closed(ks)
+        self._publish(ks)
+        ks.cond.notify_all()
 
     def _count_update(self) -> None:
         self.counters["grads_applied"] += 1
@@ -281,7 +312,7 @@ class Shard(Membership):
         out = []
         for i, ks in enumerate(states):
             with ks.cond:
-                while not (ks.initialized and ks.version >= min_version):
+                while not (ks.initialized and (ks.version >= min_version or self.stopped)):
                     left = deadline - time.monotonic()
                     if left <= 0 and self.paused:   # the client retries: a paused job waits
                         raise ShardError("UNAVAILABLE", f"job paused: {len(self.live)} live workers < --min-workers "
@@ -352,6 +383,8 @@ class Shard(Membership):
                              f"this server is {self.shard_id}/{self.num_shards}")
         with self.lock:
             self.job = None if state["job"] is None else Job.from_state_dict(state["job"])
+            if self.job is not None:
+                self._start_rounds()
             self.codec, self.codec_epoch = state["codec"], state["codec_epoch"]
             self.pull_spec = state.get("pull_spec", "none")
             opt = self.job.optimizer if self.job is not None else None
@@ -366,23 +399,4 @@ class Shard(Membership):
             self.restored = True
 
     def stats(self) -> dict:
-        versions = [ks.version for ks in self.keys.values()] or [0]
-        hist = [0] * (max(self.staleness, default=0) + 1)
-        for s, n in self.staleness.items():
-            hist[s] = n
-        return {
-            "shard_id": self.shard_id, "num_keys": len(self.keys),
-            "min_version": min(versions), "max_version": max(versions),
-            "pushes": self.counters["pushes"], "grads_applied": self.counters["grads_applied"],
-            "duplicates": self.counters["duplicates"], "pulls": self.counters["pulls"],
-            "bytes_received": self.counters["bytes_received"], "bytes_sent": self.counters["bytes_sent"],
-            "max_staleness": max(self.staleness, default=0), "staleness_counts": hist,
-            "sync": str(self.job.sync) if self.job else "", "live_workers": sorted(self.live),
-            "server_id": self.server_id, "evictions": self.counters["evictions"],
-            "nonfinite_skipped": self.counters["nonfinite_skipped"], "checkpoints": self.counters["checkpoints"],
-            "checkpoint_version": self.checkpoint_version,
-            "step_contributors": [self.step_contributors.get(n, 0) for n in range(max(self.step_contributors, default=-1) + 1)],
-            "min_workers": self.job.min_workers if self.job else 0, "max_workers": self.job.max_workers if self.job else 0,
-            "paused": self.paused, "joins": self.counters["rejoins"],
-            "local_steps": self.job.local_steps if self.job else 0, "outer_updates": self.counters["outer_updates"],
-        }
+        return shard_stats(self)

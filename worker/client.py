@@ -62,6 +62,7 @@ class PSClient:
         self.worker_id, self.world_size = worker_id, world_size
         self.min_workers, self.max_workers = min_workers, max_workers   # elastic job bounds (0 = world_size)
         self.live_workers: list[int] = list(range(world_size))          # as the shards last reported it
+        self.job_stop: dict | None = None     # a worker stopped the job (--sync quorum): its step and time_s
         self.sync = parse_sync(sync)
         self.local_steps = local_steps    # > 0: a local-update job (pushes are deltas, the optimizer is the outer one)
         self.optimizer = optimizer or OptimizerConfig()
@@ -268,6 +269,9 @@ class PSClient:
         self._note_codec(rep.codec, rep.codec_epoch)
         if rep.live_workers:
             self.live_workers = list(rep.live_workers)
+        if rep.HasField("stopped") and self.job_stop is None:
+            st = rep.stopped
+            self.job_stop = {"worker_id": st.worker_id, "step": st.step, "time_s": st.time_s, "reason": st.reason}
         return rep.waited_s
 
     def pull(self, names=None, min_version: int = 0, out: dict[str, torch.Tensor] | None = None,
@@ -303,6 +307,16 @@ class PSClient:
         req = pb.BarrierRequest(worker_id=self.worker_id, name=name, timeout_s=t)
         futs = [self.pool.submit(sess.call, "Barrier", lambda: req, t + 10) for sess in self.sessions]
         return max(f.result().waited_s for f in futs)
+
+    def stop(self, step: int, time_s: float, reason: str) -> bool:
+        """Stop the job on every shard (--sync quorum: this worker's evaluation reached the target); the other
+        workers learn it from their next pull. True if this was the job's first stop."""
+        req = pb.StopRequest(worker_id=self.worker_id, step=step, time_s=time_s, reason=reason)
+        futs = [self.pool.submit(sess.call, "Stop", lambda: req, 10.0) for sess in self.sessions]
+        first = all([f.result().first for f in futs])
+        if first and self.job_stop is None:      # else the standing stop arrives with the next pull
+            self.job_stop = {"worker_id": self.worker_id, "step": step, "time_s": time_s, "reason": reason}
+        return first
 
     def server_stats(self) -> list[dict]:
         out = []

@@ -14,6 +14,9 @@ Overlap (`overlap_steps` tau < H/F, Streaming DiLoCo's tau; default 1 with fragm
 runs in the background for the next tau inner steps; then the worker takes the new global values and keeps
 the progress made meanwhile (p = global + (p_now - p_at_send)). tau = 0 waits for the exchange at once.
 A round's delta is then tau steps older than the model it lands on, the price of hiding the transfer.
+
+Quorum rounds (--sync quorum:Q): a round may close without this worker; its late delta folds into the open
+round on the shards, and its next push is for the round it pulled (the rounds it missed are skipped).
 """
 from __future__ import annotations
 
@@ -111,6 +114,12 @@ class LocalUpdates:
         t0 = time.perf_counter()
         waited = max((fut.result() for fs, _ in done.values() for fut in fs), default=0.0)
         blocked = time.perf_counter() - t0
+        if d.client.sync.kind == "quorum":    # skip the rounds that closed without us (ps/rounds.py)
+            for f in done:
+                pulled = min(d.client.versions.get(k.key, 0) for ks in d.client.keys_by_shard(self.fragments[f]).values()
+                             for k in ks)
+                self.rounds[f] = max(self.rounds[f], pulled)
+            d.round = min(self.rounds)
         with torch.no_grad():
             for f, (_, sent) in done.items():
                 for n in self.fragments[f]:

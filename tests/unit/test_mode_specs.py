@@ -82,9 +82,9 @@ EXPECTED = {   # what bench compare's parse_mode returned before the grammar mov
 }
 BAD = {   # spec -> what the message says besides the spec itself
     "horovod": "use ddp[:<hook>|:sparse[:fp16|bf16]]",
-    "": "ps-local<H>[x<F>][o<tau>]:<codec>",
+    "": "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>",
     "DDP": "unknown mode spec",
-    "ps-localx:int8": "ps-local<H>[x<F>][o<tau>]:<codec>",
+    "ps-localx:int8": "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>",
     "ps-local8x:int8": "unknown mode spec",
     "pipeline": "unknown mode spec",
     "horovod:fp16": "unknown mode spec",

@@ -215,6 +215,7 @@ class RunRecorder:
         self.steps_to_target: int | None = None
         self.time_to_target_s: float | None = None
         self.stopped_at: int | None = None      # the step the loop ended after, when an evaluation ended it early
+        self.halted = False                      # another rank stopped the job (stop_with)
         self._t_start = 0.0
         self._eval_due = False
         # what the evaluations measure and the config field / result key of its target: the workload's
@@ -232,12 +233,18 @@ class RunRecorder:
                 self._step, self._blocked, self._wait = step, 0.0, 0.0
                 self._t0 = time.perf_counter()
                 yield step
-                if self.steps_to_target is not None and self._common_step_evaluated():
+                if self.halted or self.steps_to_target is not None and self._common_step_evaluated():
                     self.stopped_at = step + 1     # target reached: every rank leaves after the same step
                     break
             self.wall_s = self.training_s()
         finally:
             self._bar.close()
+
+    def stop_with(self, stop: dict) -> None:
+        """Another rank stopped the job at its target (--sync quorum): take its figures and end after this step."""
+        if self.steps_to_target is None:
+            self.steps_to_target, self.time_to_target_s = stop["step"], stop["time_s"]
+        self.halted = True
 
     def _common_step_evaluated(self) -> bool:
         """--common-step S: the evaluation due at S happened (0: no common step, nothing to wait for)."""

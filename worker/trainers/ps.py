@@ -59,6 +59,9 @@ class ParameterServer(Strategy):
     @classmethod
     def validate(cls, cfg, workload_cls) -> None:
         super().validate(cfg, workload_cls)
+        if cfg.sync.startswith("quorum") and not cfg.local_steps:
+            raise ValueError(f"--sync {cfg.sync} needs --local-steps H > 0: quorum rounds are local-update rounds "
+                             f"(a late delta folds into the next round; a late gradient would not)")
         cls.target_needs_bsp(cfg, workload_cls)
 
     @property
@@ -103,6 +106,8 @@ class ParameterServer(Strategy):
         except PSError:
             if not self.stopping.is_set():
                 raise
+        if opt.client.job_stop is not None:   # quorum: rank 0 reached the target (evaluate below)
+            run.stop_with(opt.client.job_stop)
         if self.stopping.is_set():   # SIGTERM: leave without the end-of-job barriers; the shards evict us
             log.warning("worker %d: SIGTERM at step %d; closing channels and exiting", self.rank, opt.clock)
             raise WorkerStopped(f"worker {self.rank} stopped by SIGTERM at step {opt.clock}")
@@ -121,8 +126,14 @@ class ParameterServer(Strategy):
                 self.ctx.metrics.on_fallback(reason)
 
     @property
+    def quorum(self) -> bool:
+        return self.opt.client.sync.kind == "quorum"
+
+    @property
     def synced(self) -> bool:
-        return self.opt.synced      # bsp: every rank pulled the same global model (local updates: after a round)
+        # bsp: every rank pulled the same global model (local updates: after a round); quorum: the ranks' rounds
+        # differ, rank 0 alone evaluates and stops the job for all (finish)
+        return self.opt.synced and (self.rank == 0 or not self.quorum)
 
     def evaluate(self, step: int) -> dict:
         with self.opt.global_model():   # what step() pulled; local-update jobs: the shards' model as last pulled
@@ -130,6 +141,8 @@ class ParameterServer(Strategy):
 
     def finish(self, run) -> dict:
         opt = self.opt
+        if self.quorum and run.steps_to_target is not None and opt.client.job_stop is None:
+            opt.client.stop(run.steps_to_target, run.time_to_target_s, f"worker {self.rank} reached the target")
         steady = self._steady_rounds() if opt.local else {}
         # a job an evaluation stopped keeps the shards' model it evaluated (no flush of inner steps)
         adopt_server_params(opt, flush=run.stopped_at is None)

@@ -93,9 +93,11 @@ class Strategy:
     @classmethod
     def target_needs_bsp(cls, cfg, workload_cls: type[Workload]) -> None:
         """A race target stops every rank at the evaluation that reaches it: only under bsp do all ranks
-        evaluate the same model (in a mode whose ranks train through the shards)."""
+        evaluate the same model at the same step (in a mode whose ranks train through the shards); under
+        quorum rounds (local updates) rank 0 judges and stops the job on the shards (worker/trainers/ps.py)."""
         target = getattr(cfg, workload_cls.target_field)
-        if target and cfg.sync != "bsp":
+        quorum = cfg.sync.startswith("quorum") and cls.local_updates and cfg.local_steps
+        if target and cfg.sync != "bsp" and not quorum:
             flag = "--" + workload_cls.target_field.replace("_", "-")
             raise ValueError(f"{flag} needs --sync bsp in --mode {cls.name}: under {cfg.sync} every worker holds a "
                              f"different model, so the ranks could not agree on when to stop without talking; "

@@ -1,0 +1,78 @@
+"""Quorum rounds (`--sync quorum:Q[:grace=G]`, local-update jobs): a round never waits for the slowest or the dead.
+
+Per key, as bsp: version v is the number of rounds applied, and round v collects the deltas pushed while it is
+open. It closes when every live worker has contributed (at once, as bsp), or when Q workers have and the
+grace window since the Q-th has passed: G x the median of the key's recent open-to-quorum spans (adaptive: a
+slower cluster waits longer), or G seconds with `grace=Gs`. A delta pushed for an older round (a straggler's,
+or one that missed its round's close) is *late*: it folds into the open round instead of being dropped, and
+counts toward its quorum. Every contribution has the same weight: each covers H inner steps of the same batch
+size, i.e. the same samples; the mean is over contributions. A worker that pulled version v may push round v
+next, skipping the rounds it missed (a joiner does the same). A dead worker costs its own contribution; its
+eviction (--worker-timeout) only shrinks the set that closes a round at once. With Q = all and G = 0 a
+round is exactly a bsp step.
+
+The shard calls `due(ks, live)` with the key's lock held; a grace window ends through a timer that calls
+back into the shard (`close`), which re-checks the round under the lock (it may have closed meanwhile).
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from deltaps.sync import SyncMode
+from ps.state import KeyState
+
+RECENT_ROUNDS = 8       # spans the adaptive grace window takes its median over
+
+
+class QuorumRounds:
+    def __init__(self, sync: SyncMode, close: Callable[[KeyState], None]):
+        self.sync = sync
+        self.close = close                      # the shard's step completion, called with ks.cond held
+        self.opened_at: dict[str, float] = {}   # key -> monotonic time its open round opened
+        self.deadline: dict[str, float] = {}    # key -> end of the open round's grace window (quorum reached)
+        self.spans: dict[str, deque] = {}       # key -> recent open-to-quorum times
+
+    def contributed(self, ks: KeyState) -> None:
+        """A contribution arrived (the first of a round opens it, if no close did: the job's first round)."""
+        self.opened_at.setdefault(ks.spec.key, time.monotonic())
+
+    def due(self, ks: KeyState, live: set[int]) -> bool:
+        """Whether the open round of `ks` closes now (the caller holds ks.cond and has checked that it has
+        contributions): every live worker in, or the quorum reached and its grace window over. Reaching the
+        quorum starts the window (a timer closes the round when it ends)."""
+        if live <= ks.agg_from:
+            return True
+        if len(ks.agg_from) < self.sync.quorum_of(len(live)):
+            return False
+        key, now = ks.spec.key, time.monotonic()
+        if key not in self.deadline:
+            spans = self.spans.setdefault(key, deque(maxlen=RECENT_ROUNDS))
+            spans.append(now - self.opened_at.get(key, now))
+            grace = self.grace_s(key)
+            self.deadline[key] = now + grace
+            if grace > 0:
+                timer = threading.Timer(grace, self._grace_over, (ks, ks.version))
+                timer.daemon = True
+                timer.start()
+        return now >= self.deadline[key]
+
+    def grace_s(self, key: str) -> float:
+        if self.sync.grace_in_s:
+            return self.sync.grace
+        spans = self.spans.get(key)
+        return self.sync.grace * statistics.median(spans) if spans else 0.0
+
+    def closed(self, ks: KeyState) -> None:
+        """The open round of `ks` was applied: the next one opens now."""
+        self.deadline.pop(ks.spec.key, None)
+        self.opened_at[ks.spec.key] = time.monotonic()
+
+    def _grace_over(self, ks: KeyState, version: int) -> None:
+        with ks.cond:
+            if ks.version == version and ks.agg_from:
+                self.deadline[ks.spec.key] = min(self.deadline.get(ks.spec.key, 0.0), time.monotonic())
+                self.close(ks)

@@ -1,0 +1,156 @@
+"""Quorum rounds (--sync quorum:Q[:grace=G], ps/rounds.py) through real loopback shards: all present and no
+grace = bsp; a straggler's late delta folds into the open round (nothing lost, each contribution weight 1 / the
+round's contributions); the grace window; skipping to the open round; a dead worker costs its contribution;
+the job stop (Stop RPC) wakes waiting pulls and travels in every pull answer."""
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from helpers import client
+from test_local_updates import max_diff, train_deltaps
+
+from deltaps.errors import PSError
+from deltaps.optimizer_config import outer_optimizer_config
+from protos import pb, rpc
+
+AVG = outer_optimizer_config("avg")     # SGD lr 1 on the mean delta: value -= mean, easy to follow exactly
+N = 12
+
+
+def test_all_present_and_no_grace_equals_bsp(cluster_factory):
+    bsp, _ = train_deltaps(cluster_factory, 12, 0.1, local_steps=3, outer=AVG)
+    quorum, c = train_deltaps(cluster_factory, 12, 0.1, local_steps=3, outer=AVG, sync="quorum:2:grace=0")
+    assert max_diff(bsp[0], quorum[0]) == 0.0 and max_diff(quorum[0], quorum[1]) == 0.0
+    st = c.shards[0].stats()
+    assert st["sync"] == "quorum:2:grace=0" and st["late_contributions"] == 0
+    assert st["step_contributors"][-1] == st["outer_updates"] > 0 and len(st["step_contributors"]) == 3
+
+
+def test_a_long_grace_window_never_delays_a_round_everyone_is_in(cluster_factory):
+    t0 = time.monotonic()
+    bsp, _ = train_deltaps(cluster_factory, 12, 0.1, local_steps=3, outer=AVG)
+    quorum, _ = train_deltaps(cluster_factory, 12, 0.1, local_steps=3, outer=AVG, sync="quorum:1:grace=30s")
+    assert max_diff(bsp[0], quorum[0]) == 0.0
+    assert time.monotonic() - t0 < 20      # no round waited for its 30 s grace window
+
+
+def _job(cluster_factory, world, sync, **kw):
+    c = cluster_factory(1)
+    init = [("w", torch.zeros(N))]
+    clients = [client(c.addrs, r, world, sync=sync, opt=AVG, local_steps=4, **kw) for r in range(world)]
+    for cl in clients:
+        cl.setup(init)
+    return c, clients
+
+
+def _value(cl) -> torch.Tensor:
+    return cl.pull(min_version=0)["w"].clone()
+
+
+def test_a_late_delta_folds_into_the_open_round_and_nothing_is_lost(cluster_factory):
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0")
+    d = {k: torch.full((N,), float(v)) for k, v in {"a": 1, "b": 3, "late": 8, "a1": 2, "b1": 6}.items()}
+    w0.push({"w": d["a"]}, 0)
+    w1.push({"w": d["b"]}, 0)               # the quorum of round 0: it closes without worker 2
+    v1 = _value(w0)
+    assert torch.equal(v1, -(d["a"] + d["b"]) / 2)
+    w2.push({"w": d["late"]}, 0)            # worker 2's round-0 delta, late: round 1 takes it
+    w0.push({"w": d["a1"]}, 1)              # its second contribution: round 1 closes with 2 of them
+    v2 = _value(w0)
+    assert torch.equal(v2, v1 - (d["late"] + d["a1"]) / 2)
+    w1.push({"w": d["b1"]}, 1)              # late too now: round 2 opens with it
+    st = c.shards[0].stats()
+    # staleness = the open round - the version a delta was computed on (worker 1 never pulled: 2 rounds)
+    assert st["late_contributions"] == 2 and st["max_version"] == 2 and st["staleness_counts"] == [3, 1, 1]
+    # every delta is in the model or in the open round's sum, once: sent = applied means + what is pending
+    ks = next(iter(c.shards[0].keys.values()))
+    assert ks.agg_count == 1 and torch.equal(ks.agg, d["b1"])
+    for cl in (w0, w1, w2):
+        cl.close()
+
+
+def test_a_worker_skips_to_the_open_round_but_never_past_it(cluster_factory):
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0")
+    for step in range(3):                    # workers 0 and 1 run three rounds without worker 2
+        w0.push({"w": torch.ones(N)}, step)
+        w1.push({"w": torch.ones(N)}, step)
+    w2.pull(min_version=3)
+    with pytest.raises(PSError) as e:
+        w2.push({"w": torch.ones(N)}, 4)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "next step is 3" in str(e.value)
+    w2.push({"w": torch.ones(N)}, 3)         # its delta lands on round 3, on time
+    st = c.shards[0].stats()
+    assert st["late_contributions"] == 0 and st["max_version"] == 3
+    w2.push({"w": torch.ones(N)}, 3)         # a retry of an acknowledged push is a duplicate, applied once
+    assert c.shards[0].stats()["duplicates"] == 1
+    for cl in (w0, w1, w2):
+        cl.close()
+
+
+def test_the_grace_window_waits_for_a_straggler_then_closes_without_it(cluster_factory):
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0.6s")
+    w0.push({"w": torch.ones(N)}, 0)
+    w1.push({"w": torch.ones(N)}, 0)
+    time.sleep(0.2)
+    w2.push({"w": torch.full((N,), 4.0)}, 0)       # within the window: round 0 takes all three
+    assert c.shards[0].stats()["max_version"] == 1 and torch.equal(_value(w0), -torch.full((N,), 2.0))
+    t0 = time.monotonic()
+    w0.push({"w": torch.ones(N)}, 1)
+    w1.push({"w": torch.ones(N)}, 1)
+    w0.pull(min_version=2)                          # worker 2 never comes: the window closes round 1
+    waited = time.monotonic() - t0
+    assert 0.5 < waited < 3.0, waited
+    for cl in (w0, w1, w2):
+        cl.close()
+
+
+def test_quorum_needs_a_local_update_job(cluster_factory):
+    c = cluster_factory(1)
+    cl = client(c.addrs, 0, 2, sync="quorum:1")
+    with pytest.raises(PSError) as e:
+        cl.setup([("w", torch.zeros(N))])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "--local-steps" in str(e.value)
+    cl.close()
+
+
+def test_stop_wakes_a_pull_waiting_for_a_round_and_reaches_every_puller(cluster_factory):
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:3:grace=0")
+    w2.push({"w": torch.ones(N)}, 0)
+    waited = []
+    t = threading.Thread(target=lambda: (w2.pull(min_version=1), waited.append(w2.job_stop)), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()                              # round 0 needs all three: the pull waits
+    assert w0.stop(7, 1.25, "worker 0 reached the target") is True
+    t.join(5)
+    assert not t.is_alive() and waited == [{"worker_id": 0, "step": 7, "time_s": 1.25,
+                                            "reason": "worker 0 reached the target"}]
+    assert w1.stop(9, 2.0, "late") is False          # the first stop stands
+    w1.pull(min_version=0)
+    assert w1.job_stop["step"] == 7 and c.shards[0].stats()["stopped"]
+    stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0]))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Stop(pb.StopRequest(worker_id=99, step=1, time_s=1.0), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "worker 99" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Stop(pb.StopRequest(worker_id=0, step=-1, time_s=1.0), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for cl in (w0, w1, w2):
+        cl.close()
+
+
+def test_a_worker_in_a_barrier_does_not_hold_up_the_last_one_training(cluster_factory):
+    c, (w0, w1) = _job(cluster_factory, 2, "quorum:2:grace=0")
+    done = []
+    t = threading.Thread(target=lambda: done.append(w0.barrier("exit", 20)), daemon=True)
+    t.start()                                        # worker 0 finished training and waits to leave
+    time.sleep(0.2)
+    w1.push({"w": torch.ones(N)}, 0)                 # worker 1's last round closes without worker 0's delta
+    w1.pull(min_version=1)
+    w1.barrier("exit", 20)
+    t.join(5)
+    assert done and c.shards[0].stats()["max_version"] == 1
+    for cl in (w0, w1):
+        cl.close()
