@@ -158,6 +158,10 @@ class TrainConfig:
         "",
         "append every evaluation during training to this JSON-lines file as it happens ({rank} is replaced by the "
         "rank; bench compare's --time-cap watches it); empty = off")
+    straggler: str = option(
+        "",
+        "RANK:FACTOR: that worker's compute takes FACTOR (>= 1) times as long — it sleeps (FACTOR - 1) x its measured "
+        "compute after every step, in every mode alike (bench compare --straggler; docs/faults.md); empty = off")
     # ---- hybrid parallelism / embedding workload (worker/trainers/hybrid.py, docs/hybrid.md) ----
     workload: str = option(
         "mlp",
@@ -192,6 +196,7 @@ class TrainConfig:
         if self.device not in DEVICES:
             raise ValueError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
         self._validate_eval()
+        self.straggler_of(0)
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
         for name in ("servers", "workers", "steps", "batch_size", "hidden", "layers", "chunk_bytes"):
@@ -222,6 +227,20 @@ class TrainConfig:
                 raise ValueError("--overlap-steps needs --local-steps > 0")
             overlap_steps(self.local_steps, self.stream_fragments, self.overlap_steps)
         outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum)
+
+    def straggler_of(self, rank: int) -> float:
+        """The compute slow-down factor of `rank` under --straggler (1.0: not the straggler)."""
+        if not self.straggler:
+            return 1.0
+        who, _, factor = self.straggler.partition(":")
+        try:
+            who, factor = int(who), float(factor)
+        except ValueError:
+            who, factor = -1, 0.0
+        if not (0 <= who < max(self.workers, self.max_workers) and 1.0 <= factor < float("inf")):
+            raise ValueError(f"bad --straggler {self.straggler!r}: want RANK:FACTOR, a rank of the job (0 .. "
+                             f"{max(self.workers, self.max_workers) - 1}) and a factor >= 1, e.g. 3:2")
+        return factor if who == rank else 1.0
 
     def _validate_eval(self) -> None:
         if self.eval_every < 0 or not 0.0 <= self.target_accuracy <= 1.0 or not 0.0 <= self.target_auc <= 1.0:

@@ -28,9 +28,9 @@ import yaml
 
 from deltaps.config import DEVICES
 from deltaps.strategies import parse_mode_spec, split_mode_specs
-from deltaps.tools import bench_protocol, bench_report, netns
+from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, netns
 from deltaps.tools.bench_seeds import merge
-from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, summarize, tail_file, wait_port_file
+from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, tail_file, wait_port_file
 from worker.trainers.strategy import load_job
 from worker.workloads import available_workloads, get_workload, workload_class
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedding-lr", type=float, default=0.05, help="ctr: table learning rate")
     p.add_argument("--zipf-a", type=float, default=1.1, help="ctr: Zipf exponent of the ids")
     p.add_argument("--ps-params", default="embedding", help="hybrid: modules on the PS (embedding or patterns)")
+    bench_faults.add_arguments(p)
     p.add_argument("--device", default="cpu", choices=DEVICES,
                    help="where every mode's workers train (cpu; cuda: NCCL for ddp, one GPU per worker)")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespaces")
@@ -146,7 +147,7 @@ class _Net:
         return {i: self.topo.link_bytes(i) for i in nodes} if self.topo else {}
 
 
-def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | None = None) -> dict:
+def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | None = None, kills=()) -> dict:
     d = os.path.join(tmp, spec.replace(":", "_").replace("=", "-").replace("/", "_"))
     os.makedirs(d, exist_ok=True)
     eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (the time cap)
@@ -157,7 +158,7 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
     py = [sys.executable, "-m", "deltaps"]
     S, W = args.servers, args.workers
     worker_nodes = list(range(S, S + W))      # nodes 0..S-1 are shards, S.. are workers
-    servers, workers = [], []
+    servers, workers, script = [], [], None
     t0 = time.perf_counter()
     try:
         if cfg.mode in ("ps", "hybrid"):
@@ -181,14 +182,19 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
             port = 29500 if net.topo else free_port()
             target = ["--master-addr", net.addr(worker_nodes[0]), "--master-port", str(port)]
         before = net.counters(worker_nodes)
-        for r, node in enumerate(worker_nodes):
+
+        def launch(r: int) -> subprocess.Popen:
+            node = worker_nodes[r]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname(node)}
-            log = open(os.path.join(d, f"worker{r}.log"), "w")
-            workers.append(subprocess.Popen(
+            return subprocess.Popen(
                 net.prefix(node) + py + ["worker", *target, "--rank", str(r), "--world-size", str(W),
                                          "--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"),
                                          "--no-progress"],
-                stdout=log, stderr=subprocess.STDOUT, env=env))
+                stdout=open(os.path.join(d, f"worker{r}.log"), "a"), stderr=subprocess.STDOUT, env=env)
+        workers.extend(launch(r) for r in range(W))
+        if kills:         # --kill: a fault script against the running workers (bench_faults.py)
+            script = bench_faults.KillScript(kills, workers, launch)
+            script.start()
         logs = [eval_log.replace("{rank}", str(r)) for r in range(W)]
         failed = bench_protocol.wait_within_cap(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 5.0, logs, cap_s)
         if failed is None:
@@ -199,56 +205,15 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
             raise RuntimeError(f"mode {spec}: {len(failed)} worker(s) failed:\n{logs}")
         after = net.counters(worker_nodes)
     finally:
+        if script is not None:
+            script.stop()
+            script.join(10)
         stop_processes(workers)
         stop_processes(servers)
-    results = [json.load(open(os.path.join(d, f"worker{r}.json"))) for r in range(W)]
-    s = summarize(cfg, results, time.perf_counter() - t0)
-    steps = max(r["steps"] for r in results)     # steps run: fewer than --steps when the target stopped the mode
-    shares = []
-    for r in results:
-        tot = max(1e-12, r["compute_s"] + r["comm_s"] + r["wait_s"])
-        shares.append((r["compute_s"] / tot, r["comm_s"] / tot, r["wait_s"] / tot))
-    out = {
-        "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "ddp_hook": cfg.ddp_hook, "steps": steps,
-        "device": results[0].get("device", "cpu"), **({"backend": results[0]["backend"]} if "backend" in results[0] else {}),
-        "median_step_s": s["median_step_s"], "mean_step_s": s["mean_step_s"], "wall_s": s["wall_s"],
-        "samples_per_s": s["samples_per_s"],
-        "compute_share": sum(x[0] for x in shares) / W, "comm_share": sum(x[1] for x in shares) / W,
-        "wait_share": sum(x[2] for x in shares) / W,
-        "compute_s_per_step": s["compute_s"] / steps, "comm_s_per_step": s["comm_s"] / steps,
-        "wait_s_per_step": s["wait_s"] / steps,
-        # application-level bytes one worker sends / receives per step (allreduce: 2(p-1)/p x gradient bytes)
-        "bytes_per_step": s["bytes_pushed_wire"] / W / steps,
-        "bytes_pulled_per_step": s["bytes_pulled_wire"] / W / steps,
-        "bytes_per_round_fraction": bench_protocol.bytes_per_round_fraction(results, s["model_params"]),
-        "compression_ratio": s["compression_ratio"],
-        "final_test_accuracy": s["final_test_accuracy"], "final_train_loss": s["final_train_loss"],
-        "final_codec": s["final_codec"], "codec_fallbacks": s["codec_fallbacks"],
-        "model_params": s["model_params"],
-    }
-    if cfg.workload == "ctr":   # click-through workload: AUC / log-loss on the held-out set, loss curve
-        r0 = results[0]
-        out.update({k: r0[k] for k in ("final_test_auc", "final_test_loss", "oracle_auc", "oracle_loss")})
-        out["losses_rank0"] = r0["losses"]
-        for k in ("sparse_bytes_pushed", "sparse_bytes_pulled", "dense_ring_bytes", "rows_pushed"):
-            if k in r0:
-                out[k + "_per_step"] = sum(r[k] for r in results) / W / steps
-    out.update(bench_report.eval_fields(results))
-    if before:
-        tx = sum(after[i][0] - before[i][0] for i in worker_nodes) / W
-        rx = sum(after[i][1] - before[i][1] for i in worker_nodes) / W
-        # measured on each worker's veth for the whole run (setup, final pull and TCP/IP overhead included)
-        out["veth_tx_bytes_per_step"] = tx / steps
-        out["veth_rx_bytes_per_step"] = rx / steps
-    if cfg.mode in ("allreduce", "hybrid") and cfg.workload == "ctr":
-        out["timing_method"] = results[0].get("timing_method")
-    elif cfg.mode == "allreduce":
-        out["timing_method"] = results[0].get("timing_method")
-        out["params_max_diff_across_ranks"] = max(r.get("params_max_diff_across_ranks", 0.0) for r in results)
-    else:
-        out["timing_method"] = ("PS DistributedOptimizer: blocked = time step() waits for pushes/pulls; "
-                                "wait = server-side wait for other workers (BSP); comm = blocked - wait")
-    return out
+    results = [json.load(open(path)) for path in (os.path.join(d, f"worker{r}.json") for r in range(W))
+               if os.path.exists(path)]     # a rank killed for good by --kill leaves none
+    out = bench_figures.mode_figures(cfg, results, time.perf_counter() - t0, before, after, worker_nodes)
+    return {**out, "kills": script.events} if script is not None else out
 
 
 def _model_params(base: dict) -> int:
@@ -288,6 +253,7 @@ def compare(args) -> dict:
             **{k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None},
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
             "fallback_factor": 0.0}
+    bench_faults.check(args)
     for s in specs:   # fail fast on a bad spec, before any namespace exists
         load_job(None, {**base, **parse_mode(s)})
     report = {"workers": args.workers, "servers": args.servers, "bandwidth": args.bandwidth,
@@ -297,7 +263,8 @@ def compare(args) -> dict:
               "model_params": _model_params(base), "host_cpus": os.cpu_count(),
               "network": {"notes": []}, "modes": {}, "workload": args.workload,
               "eval_every": args.eval_every, "device": args.device, "common_step": args.common_step,
-              "time_cap": args.time_cap, "select_on": args.select_on}
+              "time_cap": args.time_cap, "select_on": args.select_on,
+              "faults": {"straggler": args.straggler or None, "kill": [str(k) for k in args.kill]}}
     if args.workload == "ctr":
         dense = (args.embedding_fields * args.embedding_dim + 13) * hidden + hidden
         dense += (args.layers - 1) * (hidden * hidden + hidden) + hidden + 1
@@ -334,16 +301,21 @@ def compare(args) -> dict:
         net = _Net(topo)
         print(bench_report.header(report), flush=True)
         runs: dict[str, list[dict]] = {spec: [] for spec in specs}
+        healthy: dict[str, list[dict]] = {spec: [] for spec in specs}     # --straggler / --kill: the same, no faults
         # with a time cap the peers run first in each seed: their best time to target sets the cap
         order = sorted(specs, key=lambda s: not bench_report.is_peer(s)) if args.time_cap else specs
-        for seed, spec in ((seed, spec) for seed in report["seeds"] for spec in order):
-            print(f"-- running {spec}{f' (seed {seed})' if args.seeds > 1 else ''} ...", flush=True)
+        for seed, spec, (variant, faults, kills) in ((seed, spec, v) for seed in report["seeds"] for spec in order
+                                                     for v in bench_faults.variants(args)):
+            store = healthy if variant == "healthy" else runs
+            print(f"-- running {spec}{f' (seed {seed})' if args.seeds > 1 else ''}"
+                  f"{f' {variant}' if variant else ''} ...", flush=True)
             cap_s = None if bench_report.is_peer(spec) else bench_protocol.cap_seconds(
-                [r[-1] for k, r in runs.items() if bench_report.is_peer(k) and r and r[-1]["seed"] == seed],
+                [r[-1] for k, r in store.items() if bench_report.is_peer(k) and r and r[-1]["seed"] == seed],
                 args.time_cap)
             try:
-                m = run_mode(spec, {**base, "seed": seed}, args, net, os.path.join(tmp, f"seed{seed}"), cap_s)
-                runs[spec].append({**m, "seed": seed})
+                m = run_mode(spec, {**base, "seed": seed, **faults}, args, net,
+                             os.path.join(tmp, f"seed{seed}{variant}"), cap_s, kills)
+                store[spec].append({**m, "seed": seed})
                 if m.get("capped"):
                     print(f"   {m['capped']} (stopped at step {m['steps']})", flush=True)
                     continue
@@ -353,16 +325,20 @@ def compare(args) -> dict:
                 print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, test acc {m['final_test_accuracy'] * 100:.2f} %"
                       + reached, flush=True)
             except (RuntimeError, TimeoutError, OSError, ValueError) as e:
-                runs[spec].append({"error": str(e), "seed": seed})
+                store[spec].append({"error": str(e), "seed": seed})
                 print(f"   FAILED: {e}", file=sys.stderr, flush=True)
-        for i in range(len(report["seeds"])):    # the race protocol is judged within each seed
-            race = {spec: r[i] for spec, r in runs.items()}
-            cap_s = bench_protocol.cap_seconds([m for k, m in race.items() if bench_report.is_peer(k)], args.time_cap)
-            for m in race.values():
-                bench_protocol.apply_time_cap(m, cap_s, args.time_cap)
-            if args.eval_every:
-                bench_protocol.add_metric_at_common_step(race, bench_report.metric_of(report), args.common_step)
+        for store in (runs, healthy) if healthy[specs[0]] else (runs,):
+            for i in range(len(report["seeds"])):    # the race protocol is judged within each seed
+                race = {spec: r[i] for spec, r in store.items()}
+                cap_s = bench_protocol.cap_seconds([m for k, m in race.items() if bench_report.is_peer(k)],
+                                                   args.time_cap)
+                for m in race.values():
+                    bench_protocol.apply_time_cap(m, cap_s, args.time_cap)
+                if args.eval_every:
+                    bench_protocol.add_metric_at_common_step(race, bench_report.metric_of(report), args.common_step)
         report["modes"] = {spec: merge(r) if args.seeds > 1 else r[0] for spec, r in runs.items()}
+        if healthy[specs[0]]:
+            bench_faults.add_goodput(report, {spec: merge(r) if args.seeds > 1 else r[0] for spec, r in healthy.items()})
     finally:
         if topo:
             topo.down()

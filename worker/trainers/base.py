@@ -216,6 +216,7 @@ class RunRecorder:
         self.time_to_target_s: float | None = None
         self.stopped_at: int | None = None      # the step the loop ended after, when an evaluation ended it early
         self.halted = False                      # another rank stopped the job (stop_with)
+        self.straggler_s = [0.0, 0.0]            # --straggler: compute measured, time slept
         self._t_start = 0.0
         self._eval_due = False
         # what the evaluations measure and the config field / result key of its target: the workload's
@@ -255,6 +256,20 @@ class RunRecorder:
     def step_start(self) -> float:
         """perf_counter() when the current step began."""
         return self._t0
+
+    def straggle(self, factor: float) -> None:
+        """--straggler: sleep (factor - 1) x this step's compute (its time so far less its blocked time), inside the
+        step's time. A sleeping rank frees its CPU share, which a slow accelerator would not (docs/faults.md)."""
+        compute = max(0.0, time.perf_counter() - self._t0 - self._blocked)
+        pause = (factor - 1.0) * compute
+        time.sleep(pause)
+        self.straggler_s[0] += compute
+        self.straggler_s[1] += pause
+
+    def straggler_extras(self, factor: float) -> dict:
+        compute, pause = self.straggler_s
+        return {"straggler_factor": factor, "straggler_compute_s": compute, "straggler_sleep_s": pause,
+                "straggler_achieved_factor": (compute + pause) / compute if compute else None} if factor != 1.0 else {}
 
     def comm(self, blocked_s: float, wait_s: float = 0.0) -> None:
         """This step was blocked on communication for blocked_s, wait_s of it waiting for peers / the server."""

@@ -34,12 +34,13 @@ def train(cfg, ctx: RunContext) -> dict:
         strategy.setup()
         run = RunRecorder(cfg, ctx.rank, strategy.desc, log, metric=workload.metric, target_key=workload.target_field,
                           reaches=workload.reaches)
-        _steps(strategy, run, ctx)
+        slow = cfg.straggler_of(ctx.rank)
+        _steps(strategy, run, ctx, slow)
         fields = strategy.finish(run)
         evaluation = workload.evaluate(strategy.model)
         save_model(cfg, ctx.rank, strategy.model)
         fields["extras"] = {"device": str(strategy.device), **workload.result_extras(evaluation),
-                            **fields.get("extras", {})}
+                            **run.straggler_extras(slow), **fields.get("extras", {})}
         result = run.result(final_test_accuracy=evaluation["test_accuracy"],
                             model_params=workload.logical_params(strategy.model), **fields)
         strategy.report(result)
@@ -50,11 +51,13 @@ def train(cfg, ctx: RunContext) -> dict:
             dist.destroy_process_group()
 
 
-def _steps(strategy, run: RunRecorder, ctx: RunContext) -> None:
+def _steps(strategy, run: RunRecorder, ctx: RunContext, slow: float = 1.0) -> None:
     batches = strategy.batches()
     for step in run.steps(first=strategy.first_step):
         batch = next(batches)
         out = strategy.train_step(run, step, batch)
+        if slow != 1.0:       # --straggler: this rank's compute takes `slow` times as long
+            run.straggle(slow)
         step_s = run.record(out.loss, wire_bytes=out.wire_bytes, end=out.end)
         if ctx.metrics is not None and out.loss is not None:
             ctx.metrics.on_step(step_s, out.loss, len(batch[1]))

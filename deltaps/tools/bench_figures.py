@@ -1,0 +1,62 @@
+"""A mode's figures in `deltaps bench compare`'s report, from its workers' result dicts: step-time split, bytes,
+accuracy, time to target (bench_report.eval_fields) and, where the network was shaped, veth counters."""
+from __future__ import annotations
+
+from deltaps.tools import bench_protocol, bench_report
+from deltaps.tools.launch import summarize
+
+
+def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, after: dict, worker_nodes) -> dict:
+    """cfg: the mode's TrainConfig; before / after: the worker nodes' veth counters ({} on loopback)."""
+    W = len(results)
+    s = summarize(cfg, results, launch_wall_s)
+    steps = max(r["steps"] for r in results)     # steps run: fewer than --steps when the target stopped the mode
+    shares = []
+    for r in results:
+        tot = max(1e-12, r["compute_s"] + r["comm_s"] + r["wait_s"])
+        shares.append((r["compute_s"] / tot, r["comm_s"] / tot, r["wait_s"] / tot))
+    out = {
+        "mode": cfg.mode, "sync": cfg.sync, "codec": cfg.codec, "ddp_hook": cfg.ddp_hook, "steps": steps,
+        "device": results[0].get("device", "cpu"), **({"backend": results[0]["backend"]} if "backend" in results[0] else {}),
+        "median_step_s": s["median_step_s"], "mean_step_s": s["mean_step_s"], "wall_s": s["wall_s"],
+        "samples_per_s": s["samples_per_s"],
+        "compute_share": sum(x[0] for x in shares) / W, "comm_share": sum(x[1] for x in shares) / W,
+        "wait_share": sum(x[2] for x in shares) / W,
+        "compute_s_per_step": s["compute_s"] / steps, "comm_s_per_step": s["comm_s"] / steps,
+        "wait_s_per_step": s["wait_s"] / steps,
+        # application-level bytes one worker sends / receives per step (allreduce: 2(p-1)/p x gradient bytes)
+        "bytes_per_step": s["bytes_pushed_wire"] / W / steps,
+        "bytes_pulled_per_step": s["bytes_pulled_wire"] / W / steps,
+        "bytes_per_round_fraction": bench_protocol.bytes_per_round_fraction(results, s["model_params"]),
+        "compression_ratio": s["compression_ratio"],
+        "final_test_accuracy": s["final_test_accuracy"], "final_train_loss": s["final_train_loss"],
+        "final_codec": s["final_codec"], "codec_fallbacks": s["codec_fallbacks"],
+        "model_params": s["model_params"],
+    }
+    if cfg.workload == "ctr":   # click-through workload: AUC / log-loss on the held-out set, loss curve
+        r0 = results[0]
+        out.update({k: r0[k] for k in ("final_test_auc", "final_test_loss", "oracle_auc", "oracle_loss")})
+        out["losses_rank0"] = r0["losses"]
+        for k in ("sparse_bytes_pushed", "sparse_bytes_pulled", "dense_ring_bytes", "rows_pushed"):
+            if k in r0:
+                out[k + "_per_step"] = sum(r[k] for r in results) / W / steps
+    out.update(bench_report.eval_fields(results))
+    slow = [r for r in results if r.get("straggler_factor")]
+    if slow:     # --straggler: the slow-down asked for and the one measured (compute + sleep) / compute
+        out["straggler"] = {"rank": slow[0]["rank"], "factor": slow[0]["straggler_factor"],
+                            "achieved_factor": slow[0]["straggler_achieved_factor"]}
+    if before:
+        tx = sum(after[i][0] - before[i][0] for i in worker_nodes) / W
+        rx = sum(after[i][1] - before[i][1] for i in worker_nodes) / W
+        # measured on each worker's veth for the whole run (setup, final pull and TCP/IP overhead included)
+        out["veth_tx_bytes_per_step"] = tx / steps
+        out["veth_rx_bytes_per_step"] = rx / steps
+    if cfg.mode in ("allreduce", "hybrid") and cfg.workload == "ctr":
+        out["timing_method"] = results[0].get("timing_method")
+    elif cfg.mode == "allreduce":
+        out["timing_method"] = results[0].get("timing_method")
+        out["params_max_diff_across_ranks"] = max(r.get("params_max_diff_across_ranks", 0.0) for r in results)
+    else:
+        out["timing_method"] = ("PS DistributedOptimizer: blocked = time step() waits for pushes/pulls; "
+                                "wait = server-side wait for other workers (BSP); comm = blocked - wait")
+    return out
