@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test test-unit lint bench bench-peers bench-peers-quick proto clean prometheus kubectl advise-validate gpu-check FORCE
+.PHONY: setup demo test test-unit lint bench bench-peers bench-peers-quick bench-faults proto clean prometheus kubectl advise-validate gpu-check FORCE
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -94,6 +94,18 @@ bench-peers-%.json: setup FORCE
 	$(RACE) $(RACE_$(word 1,$(subst -, ,$*))) --bandwidth $(word 2,$(subst -, ,$*)) \
 		--modes $(call race_modes,$(word 1,$(subst -, ,$*)),$(word 2,$(subst -, ,$*))) --json $@ --plot $(@:.json=.png)
 FORCE:
+
+# Faulty and heterogeneous clusters (docs/faults.md): the clf race at 100 Mbit/s, RACE_SEEDS seeds, every mode run
+# healthy and then with the faults in the same invocation (goodput = healthy / faulty time to target). straggler:
+# worker 3 at half speed; kills: worker 1 killed (kill -9) at 1/3 and worker 2 at 2/3 of a healthy run's time to
+# target (~6 s here for the best modes), each restarted 2 s later; rank 0 evaluates and is never killed.
+FAULT_PEERS = torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16
+FAULT_MODES = $(FAULT_PEERS),ps-local32x4o4:int8,ps-local32q3:int8,ps-local32x4o4q3:int8
+FAULTS_straggler = --straggler 3:2
+FAULTS_kills = --kill 1@2:restart=2 --kill 2@4:restart=2
+bench-faults: bench-faults-straggler.json bench-faults-kills.json
+bench-faults-%.json: setup FORCE
+	$(RACE) $(RACE_clf) --bandwidth 100mbit --modes $(FAULT_MODES) $(FAULTS_$*) --json $@ --plot $(@:.json=.png)
 
 # the race in a few minutes: one seed, clf, 100 Mbit/s, fp32 DDP, the best DDP hook and torchft peers, the best deltaps modes
 bench-peers-quick: setup

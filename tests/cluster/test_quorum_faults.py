@@ -1,0 +1,46 @@
+"""Quorum rounds with real processes: a worker killed (kill -9) mid-job costs only its contribution — the others'
+rounds go on within the grace window, long before the shards evict it (--worker-timeout)."""
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+from helpers import CONFIG, DELTAPS, ROOT, server_proc, stats, wait_up, wait_version
+
+from deltaps.tools.launch import free_port
+
+pytestmark = pytest.mark.slow
+WORLD, EVICT_S = 3, 12
+
+
+def _worker(r, addrs, tmp, log):
+    return subprocess.Popen(DELTAPS + ["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size",
+                                       str(WORLD), "--config", CONFIG, "--no-progress", "--steps", "1200",
+                                       "--local-steps", "8", "--sync", "quorum:2:grace=0.1s",
+                                       "--result-json", str(tmp / f"w{r}.json")],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def test_a_killed_worker_does_not_stall_the_rounds(procs, tmp_path):
+    ports = [free_port(), free_port()]
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    for i in range(2):
+        procs.add(server_proc(i, ports[i], procs.log(f"server{i}"), "--worker-timeout", str(EVICT_S)))
+    for a in addrs:
+        wait_up(a)
+    workers = [procs.add(_worker(r, addrs, tmp_path, procs.log(f"worker{r}"))) for r in range(WORLD)]
+    wait_version(addrs[0], 3)
+    workers[2].send_signal(signal.SIGKILL)
+    workers[2].wait(10)
+    killed = time.monotonic()
+    v0 = stats(addrs[0]).min_version
+    wait_version(addrs[0], v0 + 5, timeout=EVICT_S / 2)      # rounds go on without it, well before its eviction
+    assert time.monotonic() - killed < EVICT_S / 2
+    assert 2 in stats(addrs[0]).live_workers, "the rounds went on before the dead worker was evicted"
+    for w in workers[:2]:
+        assert w.wait(240) == 0, procs.tail()
+    st = stats(addrs[0])
+    assert st.evictions == 1 and st.sync == "quorum:2:grace=0.1s"
+    results = [json.loads((tmp_path / f"w{r}.json").read_text()) for r in range(2)]
+    assert all(r["steps"] == 1200 and r["final_test_accuracy"] > 0.8 for r in results), procs.tail()

@@ -1,0 +1,99 @@
+"""bench compare's fault script (deltaps/tools/bench_faults.py) and --straggler (TrainConfig.straggler_of,
+RunRecorder.straggle): grammar, the kill / restart sequence against real processes, goodput."""
+import argparse
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deltaps.tools import bench_faults
+from deltaps.tools.bench_faults import Kill, KillScript, parse_kill
+from worker.trainers.strategy import load_job
+
+
+def test_kill_grammar():
+    assert parse_kill("1@4.5:restart=2") == Kill(1, 4.5, 2.0)
+    assert parse_kill(" 3@10 ") == Kill(3, 10.0, None)
+    assert str(parse_kill("2@3:restart=2")) == "2@3:restart=2"
+    for bad in ("1", "x@2", "1@", "1@2:restart", "1@2:again=3", "-1@2"):
+        with pytest.raises(ValueError, match="WORKER@SECONDS"):
+            parse_kill(bad)
+
+
+def test_variants_and_checks():
+    args = argparse.Namespace(straggler="", kill=[], workers=4)
+    assert bench_faults.variants(args) == [("", {}, [])]
+    args.straggler, args.kill = "3:2", [Kill(1, 2.0, 2.0)]
+    assert bench_faults.variants(args) == [("healthy", {"straggler": ""}, []),
+                                           ("faulty", {"straggler": "3:2"}, [Kill(1, 2.0, 2.0)])]
+    args.kill = [Kill(4, 1.0)]
+    with pytest.raises(ValueError, match="worker 4 is not one of the 4"):
+        bench_faults.check(args)
+
+
+def test_goodput_is_healthy_over_faulty():
+    assert bench_faults.goodput(9.0, 10.0) == 0.9
+    assert bench_faults.goodput(None, 10.0) is None and bench_faults.goodput(9.0, None) is None
+    report = {"modes": {"a": {"time_to_target_s": 4.0, "seeds": [{"time_to_target_s": 4.0}]}}}
+    bench_faults.add_goodput(report, {"a": {"time_to_target_s": 3.0, "seeds": [{"time_to_target_s": 3.0}]}})
+    a = report["modes"]["a"]
+    assert a["goodput"] == 0.75 and a["healthy_time_to_target_s"] == 3.0 and a["seeds"][0]["goodput"] == 0.75
+
+
+def _sleeper():
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_kill_script_kills_restarts_and_never_shows_a_failure():
+    workers = [_sleeper(), _sleeper()]
+    first = list(workers)
+    relaunched = []
+
+    def relaunch(rank):
+        relaunched.append(rank)
+        return _sleeper()
+    script = KillScript([Kill(0, 0.2, 0.3), Kill(1, 0.3)], workers, relaunch)
+    seen = []
+    script.start()
+    while script.is_alive():       # what the bench's wait loop sees meanwhile: never a failed exit code
+        seen.extend(p.poll() for p in workers)
+        time.sleep(0.01)
+    try:
+        assert first[0].poll() == -9 and first[1].poll() == -9
+        assert relaunched == [0] and workers[0].poll() is None      # worker 0 runs again
+        assert workers[1].poll() == 0                               # worker 1 is gone for good: counted as done
+        assert all(code in (None, 0) for code in seen)
+        assert [sorted(e) for e in script.events] == [["killed_at_s", "worker"], ["killed_at_s", "worker"],
+                                                      ["restarted_at_s", "worker"]]
+    finally:
+        for p in workers + first:
+            p.kill()
+            p.wait()
+
+
+def test_straggler_grammar_and_factor():
+    cfg = load_job(None, {"workers": 4, "straggler": "3:2"})
+    assert cfg.straggler_of(3) == 2.0 and cfg.straggler_of(0) == 1.0
+    assert load_job(None, {"workers": 4}).straggler_of(3) == 1.0
+    for bad in ("4:2", "3:0.5", "x:2", "3", "3:inf"):
+        with pytest.raises(ValueError, match="--straggler"):
+            load_job(None, {"workers": 4, "straggler": bad})
+
+
+def test_a_straggling_step_takes_factor_times_its_compute():
+    import logging
+
+    from worker.trainers.base import RunRecorder
+    run = RunRecorder(load_job(None, {"workers": 2, "steps": 3, "progress": False}), 0, "w0", logging.getLogger("t"))
+    for _ in run.steps():
+        busy = time.perf_counter() + 0.01
+        while time.perf_counter() < busy:
+            pass
+        run.comm(0.0)
+        run.straggle(3.0)
+        run.record(1.0)
+    extras = run.straggler_extras(3.0)
+    assert extras["straggler_sleep_s"] == pytest.approx(2 * extras["straggler_compute_s"])
+    assert extras["straggler_achieved_factor"] == pytest.approx(3.0)
+    assert run.straggler_extras(1.0) == {}
