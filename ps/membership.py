@@ -178,7 +178,8 @@ class Membership:
 
     def stop(self, worker: int, step: int, time_s: float, reason: str = "") -> bool:
         """A worker stopped the job (--sync quorum: its evaluation reached the target). Pulls waiting for a round
-        return at once, every pull answer carries the stop from now on. False: already stopped (first one stands)."""
+        return at once, every pull answer carries the stop from now on, and later pushes are acknowledged but not
+        applied (`after_stop`): the job's model is the one its target was judged on. False: already stopped."""
         job = self._require_job()
         if not 0 <= worker < max(job.world_size, job.max_workers):
             raise ShardError("INVALID_ARGUMENT", f"Stop from worker {worker}: outside the job's worker ids")

@@ -216,7 +216,9 @@ class Shard(Membership):
             ks.pushed[worker] = step + 1
             if g is None:
                 self.counters["nonfinite_skipped"] += 1
-            if job.sync.rounds:
+            if self.stopped is not None:     # the job's model is the one its target was judged on
+                self.counters["after_stop"] += 1
+            elif job.sync.rounds:
                 self._contribute(ks, worker, step, g)
             else:
                 if ks.spec.is_buffer:

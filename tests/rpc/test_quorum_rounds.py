@@ -130,6 +130,10 @@ def test_stop_wakes_a_pull_waiting_for_a_round_and_reaches_every_puller(cluster_
     assert w1.stop(9, 2.0, "late") is False          # the first stop stands
     w1.pull(min_version=0)
     assert w1.job_stop["step"] == 7 and c.shards[0].stats()["stopped"]
+    before = _value(w1)
+    w0.push({"w": torch.ones(N)}, 0)
+    w1.push({"w": torch.ones(N)}, 0)                 # acknowledged, never applied: the judged model stays
+    assert torch.equal(_value(w1), before) and c.shards[0].keys[next(iter(c.shards[0].keys))].version == 0
     stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0]))
     with pytest.raises(grpc.RpcError) as e:
         stub.Stop(pb.StopRequest(worker_id=99, step=1, time_s=1.0), timeout=5)
