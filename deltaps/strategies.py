@@ -9,10 +9,10 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
   ps[:<codec>] | ps-bsp[:<codec>]       synchronous PS, gradients through the codec (default none; the codec spec
                                         is all that follows the first colon: ps:topk:ratio=0.01 -> topk:ratio=0.01)
   ps-asp[:<codec>]                      asynchronous PS
-  ps-local<H>[x<F>][o<tau>][q<Q>][:<codec>][:grace=G][:<outer>]
+  ps-local<H>[x<F>][o<tau>][q<Q>][:<codec>][:grace=G][:late=W][:<outer>]
                                         PS local updates: --local-steps H, --stream-fragments F, --overlap-steps
                                         tau (docs/local-updates.md), the deltas through the codec; q<Q>: quorum
-                                        rounds, --sync quorum:Q[:grace=G] (ps/rounds.py)
+                                        rounds, --sync quorum:Q[:grace=G][:late=equal|discount]
   hybrid[:fp16|bf16]                    embeddings row-sparse on the PS, the dense part allreduced (--workload
                                         ctr), optionally through the fp16 / bf16 hook
   torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:<outer>]
@@ -61,7 +61,7 @@ OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentu
 OUTER_ITEM = re.compile(r"(?:^|[:,])(outer(?:_lr|_momentum)?)=([^:,]*)")
 WIRE_DTYPES = ("fp32", "fp16", "bf16")     # torchft:diloco's wire=: the dtype its pseudo-gradients are allreduced in
 LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?(?:q(\d+))?")
-GRACE_ITEM = re.compile(r"(?:^|[:,])grace=([^:,]*)")
+QUORUM_ITEM = re.compile(r"(?:^|[:,])(grace|late)=([^:,]*)")
 
 POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
 LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
@@ -130,7 +130,7 @@ class ModeSpec:
         overlap = f"o{self.overlap_steps}" if self.overlap_steps is not None else ""
         quorum, grace = "", ""
         if self.sync.startswith("quorum:"):
-            _, q, grace = self.sync.split(":")
+            _, q, grace = self.sync.split(":", 2)
             quorum, grace = f"q{q}", f":{grace}"
         return f"ps-local{self.local_steps}{fragments}{overlap}{quorum}:{self.codec}{grace}{self.outer_text()}"
 
@@ -176,17 +176,17 @@ def _outer_fields(arg: str, text: str) -> tuple[str, dict]:
 
 
 def _quorum_sync(quorum: str | None, arg: str, text: str) -> tuple[str, str]:
-    """A local-update spec's q<Q> and grace=G -> (the rest of its argument, its sync mode's canonical spelling)."""
-    graces = GRACE_ITEM.findall(arg)
-    if graces and not quorum:
-        raise ValueError(f"mode {text!r}: grace= needs quorum rounds (ps-local<H>q<Q>)")
+    """A local-update spec's q<Q>, grace=G and late=W -> (the rest of its argument, its sync mode's canonical spelling)."""
+    items = QUORUM_ITEM.findall(arg)
+    if items and not quorum:
+        raise ValueError(f"mode {text!r}: {items[0][0]}= needs quorum rounds (ps-local<H>q<Q>)")
     if not quorum:
         return arg, "bsp"
     try:
-        sync = parse_sync(f"quorum:{quorum}" + (f":grace={graces[-1]}" if graces else ""))
+        sync = parse_sync(f"quorum:{quorum}" + "".join(f":{k}={v}" for k, v in items))
     except ValueError as e:
         raise ValueError(f"mode {text!r}: {e}") from None
-    return GRACE_ITEM.sub("", arg).lstrip(":,"), str(sync)
+    return QUORUM_ITEM.sub("", arg).lstrip(":,"), str(sync)
 
 
 def _torchft_spec(arg: str, text: str) -> ModeSpec:

@@ -212,14 +212,15 @@ class Shard(Membership):
                 self.counters["duplicates"] += 1
                 return True, ks.version
             # rounds the gradient or delta missed (quorum: a late delta lands on the open round)
-            self.staleness[max(0, (ks.version if job.sync.kind == "quorum" else step) - pulled)] += 1
+            lag = max(0, (ks.version if job.sync.kind == "quorum" else step) - pulled)
+            self.staleness[lag] += 1
             ks.pushed[worker] = step + 1
             if g is None:
                 self.counters["nonfinite_skipped"] += 1
             if self.stopped is not None:     # the job's model is the one its target was judged on
                 self.counters["after_stop"] += 1
             elif job.sync.rounds:
-                self._contribute(ks, worker, step, g)
+                self._contribute(ks, worker, step, g, job.sync.weight(lag))
             else:
                 if ks.spec.is_buffer:
                     buffers.assign(ks, worker, g, self.live)
@@ -235,21 +236,22 @@ class Shard(Membership):
                 ks.cond.notify_all()
             return False, ks.version
 
-    def _contribute(self, ks: KeyState, worker: int, step: int, g: Decoded | None) -> None:
-        """bsp / quorum: add a push to the open round's sum (ks.cond held); a skipped gradient counts as zero."""
+    def _contribute(self, ks: KeyState, worker: int, step: int, g: Decoded | None, weight: float = 1.0) -> None:
+        """bsp / quorum: add a push to the open round's weighted sum (ks.cond held); a skipped gradient counts as
+        zero. weight: 1, or a late delta's under quorum late=discount (ps/rounds.py)."""
         if ks.agg is None:
             ks.agg = torch.zeros_like(ks.value)
         if ks.spec.is_buffer:
             buffers.take(ks, worker, g)
         elif g is not None:
-            g.add_to(ks.agg)
+            g.add_to(ks.agg, weight)
             ks.opt.note_push(g)      # all-top-k steps are applied lazily (ps/optimizer.py)
         if step < ks.version:
             self.counters["late_contributions"] += 1
         if self.rounds is not None:
             self.rounds.contributed(ks)
         ks.agg_from.add(worker)
-        ks.agg_count += 1
+        ks.agg_weight += weight
         self._maybe_complete_step(ks)
 
     def _wait_for_step(self, ks: KeyState, worker: int, step: int) -> None:
@@ -275,11 +277,11 @@ class Shard(Membership):
         if ks.spec.is_buffer:
             buffers.finish(ks)
         else:
-            ks.opt.apply_step(ks.agg / ks.agg_count)   # the mean over contributions
+            ks.opt.apply_step(ks.agg / ks.agg_weight)   # the weighted mean over contributions
             self._count_update()
         ks.agg.zero_()
         ks.agg_from.clear()
-        ks.agg_count = 0
+        ks.agg_weight = 0.0
         ks.version += 1
         if self.rounds is not None:
             self.rounds.closed(ks)

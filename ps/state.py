@@ -59,7 +59,7 @@ class KeyState:
     pushed: dict = field(default_factory=dict)      # worker -> steps pushed (next expected step)
     agg: torch.Tensor | None = None                  # bsp: sum of this step's gradients
     agg_from: set = field(default_factory=set)
-    agg_count: int = 0                               # contributions in agg (quorum: a worker may add two)
+    agg_weight: float = 0.0                          # weights summed in agg (quorum: a worker may add two)
     opt: KeyOptimizer | None = None
     view: PullView | None = None                     # compressed-pull view (None: pulls send values)
     exact_since: int = -1                            # version at which the last view was dropped
@@ -70,7 +70,7 @@ class KeyState:
         return {"spec": [s.key, s.param, s.offset, s.numel, s.dtype, s.shard, s.role],
                 "value": self.value.clone(), "initialized": self.initialized, "version": self.version,
                 "pushed": dict(self.pushed), "agg": None if self.agg is None else self.agg.clone(),
-                "agg_from": sorted(self.agg_from), "agg_count": self.agg_count,
+                "agg_from": sorted(self.agg_from), "agg_weight": self.agg_weight,
                 "opt": copy.deepcopy(self.opt.state_dict()) if self.opt is not None else None,
                 "view": self.view.view.clone() if self.view is not None else None, "exact_since": self.exact_since}
 
@@ -81,7 +81,7 @@ class KeyState:
         ks.pushed = {int(w): int(n) for w, n in d["pushed"].items()}
         ks.agg = None if d["agg"] is None else d["agg"].clone()
         ks.agg_from = set(d["agg_from"])
-        ks.agg_count = d.get("agg_count", len(ks.agg_from))
+        ks.agg_weight = float(d.get("agg_weight", len(ks.agg_from)))
         if ks.initialized and not ks.spec.is_buffer:     # buffer keys have no optimizer (ps/buffers.py)
             ks.opt = KeyOptimizer(ks.value, optimizer)
             if d["opt"] is not None:

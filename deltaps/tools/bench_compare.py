@@ -150,8 +150,9 @@ class _Net:
 def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | None = None, kills=()) -> dict:
     d = os.path.join(tmp, spec.replace(":", "_").replace("=", "-").replace("/", "_"))
     os.makedirs(d, exist_ok=True)
-    eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (the time cap)
-    cfg = load_job(None, {**base, **parse_mode(spec), **({"eval_log": eval_log} if cap_s is not None else {})})
+    eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (cap, kills)
+    watch = cap_s is not None or bool(kills)
+    cfg = load_job(None, {**base, **parse_mode(spec), **({"eval_log": eval_log} if watch else {})})
     cfg_path = os.path.join(d, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
@@ -193,7 +194,8 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
                 stdout=open(os.path.join(d, f"worker{r}.log"), "a"), stderr=subprocess.STDOUT, env=env)
         workers.extend(launch(r) for r in range(W))
         if kills:         # --kill: a fault script against the running workers (bench_faults.py)
-            script = bench_faults.KillScript(kills, workers, launch)
+            script = bench_faults.KillScript(kills, workers, launch,
+                                             bench_faults.training_clock(eval_log.replace("{rank}", "0")))
             script.start()
         logs = [eval_log.replace("{rank}", str(r)) for r in range(W)]
         failed = bench_protocol.wait_within_cap(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 5.0, logs, cap_s)
@@ -313,6 +315,8 @@ def compare(args) -> dict:
                 [r[-1] for k, r in store.items() if bench_report.is_peer(k) and r and r[-1]["seed"] == seed],
                 args.time_cap)
             try:
+                h = healthy[spec][-1] if healthy[spec] else {}
+                kills = [k.resolved(h.get("time_to_target_s")) for k in kills]    # P% of the healthy run
                 m = run_mode(spec, {**base, "seed": seed, **faults}, args, net,
                              os.path.join(tmp, f"seed{seed}{variant}"), cap_s, kills)
                 store[spec].append({**m, "seed": seed})

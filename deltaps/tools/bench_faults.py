@@ -2,9 +2,12 @@
 
   --straggler RANK:FACTOR            that worker's compute takes FACTOR times as long (TrainConfig.straggler: it
                                      sleeps (FACTOR - 1) x its measured compute after every step, on the clock)
-  --kill WORKER@SECONDS[:restart=S]  (repeatable: a fault script) kill -9 that worker's process SECONDS after the
-                                     mode's workers were started; with restart=S the same command starts it again
-                                     S seconds later (its start-up time counts), as a supervisor would
+  --kill WORKER@WHEN[:restart=S]     (repeatable: a fault script) kill -9 that worker's process once rank 0 has
+                                     trained WHEN: SECONDS of its training clock (evaluations excluded; read from
+                                     its eval log, so within one --eval-every of the moment) or P% of the mode's
+                                     healthy time to target in the same seed; with restart=S the same command starts
+                                     it again S wall-clock seconds after the kill (its start-up counts), as a
+                                     supervisor would
 
 With either, every mode runs twice per seed, healthy and then with the faults, in the same invocation: the
 report's figures are the faulty runs', with `healthy_time_to_target_s` and `goodput` = healthy time to target /
@@ -20,38 +23,53 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KILL = re.compile(r"(\d+)@(\d+(?:\.\d+)?)(?::restart=(\d+(?:\.\d+)?))?")
+KILL = re.compile(r"(\d+)@(\d+(?:\.\d+)?)(%?)(?::restart=(\d+(?:\.\d+)?))?")
 
 
 @dataclass(frozen=True)
 class Kill:
     worker: int
-    at_s: float
+    at_s: float                          # rank 0's training seconds (a share of the healthy time when percent)
     restart_s: float | None = None
+    percent: bool = False                # at_s is P % of the mode's healthy time to target
 
     def __str__(self) -> str:
-        return f"{self.worker}@{self.at_s:g}" + (f":restart={self.restart_s:g}" if self.restart_s is not None else "")
+        when = f"{self.at_s:g}{'%' if self.percent else ''}"
+        return f"{self.worker}@{when}" + (f":restart={self.restart_s:g}" if self.restart_s is not None else "")
+
+    def resolved(self, healthy_s: float | None) -> "Kill":
+        """This kill in rank 0's training seconds, given the mode's healthy time to target (same seed)."""
+        if not self.percent:
+            return self
+        if healthy_s is None:
+            raise ValueError(f"--kill {self}: the mode's healthy run did not reach the target, so "
+                             f"{self.at_s:g}% of its time to target is undefined")
+        return Kill(self.worker, healthy_s * self.at_s / 100.0, self.restart_s)
 
 
 def parse_kill(text: str) -> Kill:
     m = KILL.fullmatch(text.strip())
     if not m:
-        raise ValueError(f"bad --kill {text!r}: want WORKER@SECONDS[:restart=S], e.g. 1@4.5:restart=2")
-    return Kill(int(m[1]), float(m[2]), float(m[3]) if m[3] else None)
+        raise ValueError(f"bad --kill {text!r}: want WORKER@SECONDS[:restart=S] or WORKER@P%[:restart=S], "
+                         f"e.g. 1@4.5:restart=2 or 1@33%:restart=2")
+    return Kill(int(m[1]), float(m[2]), float(m[4]) if m[4] else None, m[3] == "%")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--straggler", default="", help="RANK:FACTOR: that worker's compute takes FACTOR times as long, "
                    "in every mode (it sleeps (FACTOR-1) x its measured compute each step); runs each mode healthy too")
-    p.add_argument("--kill", action="append", default=[], type=parse_kill, metavar="WORKER@SECONDS[:restart=S]",
-                   help="kill -9 that worker SECONDS after start, restarted S seconds later if given; repeatable; "
-                        "runs each mode healthy too")
+    p.add_argument("--kill", action="append", default=[], type=parse_kill, metavar="WORKER@SECONDS|P%[:restart=S]",
+                   help="kill -9 that worker once rank 0 trained SECONDS (or P%% of the mode's healthy time to target), "
+                        "restarted S seconds later if given; repeatable; runs each mode healthy too")
 
 
 def check(args) -> None:
     for k in args.kill:
-        if not 0 <= k.worker < args.workers:
-            raise ValueError(f"--kill {k}: worker {k.worker} is not one of the {args.workers} workers")
+        if not 0 < k.worker < args.workers:
+            raise ValueError(f"--kill {k}: worker {k.worker} is not one of workers 1 .. {args.workers - 1} (rank 0 "
+                             f"keeps the training clock the kills follow, and judges quorum targets)")
+    if args.kill and not args.eval_every:
+        raise ValueError("--kill needs --eval-every: the kills follow rank 0's training clock in its eval log")
 
 
 def variants(args) -> list[tuple[str, dict, list[Kill]]]:
@@ -82,49 +100,66 @@ class _Down:
 
 
 class KillScript(threading.Thread):
-    """Runs the kills of a fault script against `workers` (a list of Popen the bench waits on, edited in place);
-    relaunch(rank) starts a worker again. events: what happened, seconds after start()."""
+    """Runs the kills of a fault script against `workers` (a list of Popen the bench waits on, edited in place):
+    each once clock() (rank 0's training seconds so far, None before it started) reaches its time; relaunch(rank)
+    starts a worker again. events: what happened, in rank 0's training seconds and wall seconds since start()."""
 
-    def __init__(self, kills: list[Kill], workers: list, relaunch: Callable[[int], subprocess.Popen]):
+    POLL_S = 0.02
+
+    def __init__(self, kills: list[Kill], workers: list, relaunch: Callable[[int], subprocess.Popen],
+                 clock: Callable[[], float | None]):
         super().__init__(daemon=True, name="bench-kills")
         self.kills = sorted(kills, key=lambda k: k.at_s)
-        self.workers, self.relaunch = workers, relaunch
+        self.workers, self.relaunch, self.clock = workers, relaunch, clock
         self.stopped = threading.Event()
         self.events: list[dict] = []
         self.t0 = time.monotonic()
 
-    def _sleep_until(self, t: float) -> bool:
-        return not self.stopped.wait(max(0.0, self.t0 + t - time.monotonic()))
+    def _now(self) -> dict:
+        return {"training_s": self.clock(), "wall_s": round(time.monotonic() - self.t0, 3)}
 
     def run(self) -> None:
-        pending = []      # (restart time, rank)
+        restarts = []      # (monotonic time, rank)
         for k in self.kills:
-            while pending and pending[0][0] <= k.at_s:
-                self._restart(*pending.pop(0))
-            if not self._sleep_until(k.at_s):
-                return
+            while True:       # restarts due before this kill happen first
+                if restarts and restarts[0][0] <= time.monotonic():
+                    self._restart(restarts.pop(0)[1])
+                trained = self.clock()
+                if trained is not None and trained >= k.at_s:
+                    break
+                if self.stopped.wait(self.POLL_S):
+                    return
             proc = self.workers[k.worker]
             if proc.poll() is not None:      # already finished (or still down): nothing to kill
-                self.events.append({"worker": k.worker, "at_s": k.at_s, "skipped": "not running"})
+                self.events.append({"worker": k.worker, "skipped": "not running", **self._now()})
                 continue
             self.workers[k.worker] = _Down(k.restart_s is not None)   # before the kill: never seen as failed
             proc.kill()
             proc.wait()
-            self.events.append({"worker": k.worker, "killed_at_s": round(time.monotonic() - self.t0, 3)})
+            self.events.append({"worker": k.worker, "killed": True, **self._now()})
             if k.restart_s is not None:
-                pending.append((k.at_s + k.restart_s, k.worker))
-                pending.sort()
-        for item in pending:
-            self._restart(*item)
+                restarts = sorted(restarts + [(time.monotonic() + k.restart_s, k.worker)])
+        for when, rank in restarts:
+            if self.stopped.wait(max(0.0, when - time.monotonic())):
+                return
+            self._restart(rank)
 
-    def _restart(self, at_s: float, rank: int) -> None:
-        if not self._sleep_until(at_s):
-            return
+    def _restart(self, rank: int) -> None:
         self.workers[rank] = self.relaunch(rank)
-        self.events.append({"worker": rank, "restarted_at_s": round(time.monotonic() - self.t0, 3)})
+        self.events.append({"worker": rank, "restarted": True, **self._now()})
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+def training_clock(eval_log: str) -> Callable[[], float | None]:
+    """Rank 0's training seconds so far, from its eval log (the latest evaluation's time_s; None before the first)."""
+    from deltaps.tools.bench_protocol import read_eval_logs
+
+    def clock() -> float | None:
+        rows = read_eval_logs([eval_log])[0]
+        return rows[-1]["time_s"] if rows else None
+    return clock
 
 
 def goodput(healthy_s: float | None, faulty_s: float | None) -> float | None:

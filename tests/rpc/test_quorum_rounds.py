@@ -66,7 +66,21 @@ def test_a_late_delta_folds_into_the_open_round_and_nothing_is_lost(cluster_fact
     assert st["late_contributions"] == 2 and st["max_version"] == 2 and st["staleness_counts"] == [3, 1, 1]
     # every delta is in the model or in the open round's sum, once: sent = applied means + what is pending
     ks = next(iter(c.shards[0].keys.values()))
-    assert ks.agg_count == 1 and torch.equal(ks.agg, d["b1"])
+    assert ks.agg_weight == 1.0 and torch.equal(ks.agg, d["b1"])
+    for cl in (w0, w1, w2):
+        cl.close()
+
+
+def test_late_discount_weighs_a_late_delta_by_one_over_one_plus_its_staleness(cluster_factory):
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0:late=discount")
+    w0.push({"w": torch.full((N,), 1.0)}, 0)
+    w1.push({"w": torch.full((N,), 3.0)}, 0)      # round 0: mean 2
+    w0.pull(min_version=1)
+    w2.push({"w": torch.full((N,), 8.0)}, 0)      # computed on version 0, lands in round 1: staleness 1, weight 1/2
+    w0.push({"w": torch.full((N,), 2.0)}, 1)      # on time: weight 1
+    expected = -2.0 - (0.5 * 8.0 + 2.0) / 1.5     # the weighted mean of round 1
+    assert torch.allclose(_value(w0), torch.full((N,), expected))
+    assert c.shards[0].stats()["sync"] == "quorum:2:grace=0:late=discount"
     for cl in (w0, w1, w2):
         cl.close()
 

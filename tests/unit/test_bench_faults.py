@@ -16,19 +16,32 @@ def test_kill_grammar():
     assert parse_kill("1@4.5:restart=2") == Kill(1, 4.5, 2.0)
     assert parse_kill(" 3@10 ") == Kill(3, 10.0, None)
     assert str(parse_kill("2@3:restart=2")) == "2@3:restart=2"
-    for bad in ("1", "x@2", "1@", "1@2:restart", "1@2:again=3", "-1@2"):
+    assert parse_kill("1@33%:restart=2") == Kill(1, 33.0, 2.0, percent=True)
+    assert str(parse_kill("1@33%")) == "1@33%"
+    for bad in ("1", "x@2", "1@", "1@2:restart", "1@2:again=3", "-1@2", "1@%"):
         with pytest.raises(ValueError, match="WORKER@SECONDS"):
             parse_kill(bad)
 
 
+def test_a_percent_kill_is_a_share_of_the_healthy_time_to_target():
+    assert parse_kill("1@25%:restart=2").resolved(8.0) == Kill(1, 2.0, 2.0)
+    assert parse_kill("1@3").resolved(None) == Kill(1, 3.0)
+    with pytest.raises(ValueError, match="did not reach the target"):
+        parse_kill("1@25%").resolved(None)
+
+
 def test_variants_and_checks():
-    args = argparse.Namespace(straggler="", kill=[], workers=4)
+    args = argparse.Namespace(straggler="", kill=[], workers=4, eval_every=16)
     assert bench_faults.variants(args) == [("", {}, [])]
     args.straggler, args.kill = "3:2", [Kill(1, 2.0, 2.0)]
     assert bench_faults.variants(args) == [("healthy", {"straggler": ""}, []),
                                            ("faulty", {"straggler": "3:2"}, [Kill(1, 2.0, 2.0)])]
-    args.kill = [Kill(4, 1.0)]
-    with pytest.raises(ValueError, match="worker 4 is not one of the 4"):
+    for worker in (4, 0):      # rank 0 keeps the clock and judges: never killed
+        args.kill = [Kill(worker, 1.0)]
+        with pytest.raises(ValueError, match=f"worker {worker} is not one of workers 1 .. 3"):
+            bench_faults.check(args)
+    args.kill, args.eval_every = [Kill(1, 1.0)], 0
+    with pytest.raises(ValueError, match="needs --eval-every"):
         bench_faults.check(args)
 
 
@@ -45,28 +58,38 @@ def _sleeper():
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
-def test_kill_script_kills_restarts_and_never_shows_a_failure():
-    workers = [_sleeper(), _sleeper()]
+def test_kill_script_follows_the_training_clock_restarts_and_never_shows_a_failure():
+    workers = [_sleeper(), _sleeper(), _sleeper()]
     first = list(workers)
     relaunched = []
+    trained = [None]         # rank 0's training clock, advanced by hand
 
     def relaunch(rank):
         relaunched.append(rank)
         return _sleeper()
-    script = KillScript([Kill(0, 0.2, 0.3), Kill(1, 0.3)], workers, relaunch)
+    script = KillScript([Kill(1, 2.0, 0.1), Kill(2, 5.0)], workers, relaunch, lambda: trained[0])
     seen = []
     script.start()
-    while script.is_alive():       # what the bench's wait loop sees meanwhile: never a failed exit code
-        seen.extend(p.poll() for p in workers)
-        time.sleep(0.01)
     try:
-        assert first[0].poll() == -9 and first[1].poll() == -9
-        assert relaunched == [0] and workers[0].poll() is None      # worker 0 runs again
-        assert workers[1].poll() == 0                               # worker 1 is gone for good: counted as done
-        assert all(code in (None, 0) for code in seen)
-        assert [sorted(e) for e in script.events] == [["killed_at_s", "worker"], ["killed_at_s", "worker"],
-                                                      ["restarted_at_s", "worker"]]
+        for t in (None, 0.5, 1.9):              # before the first kill's time: nothing happens
+            trained[0] = t
+            time.sleep(0.1)
+            assert all(p.poll() is None for p in workers) and not script.events
+        trained[0] = 2.0
+        while not relaunched:
+            seen.extend(p.poll() for p in workers)
+            time.sleep(0.01)
+        assert first[1].poll() == -9 and workers[2] is first[2] and first[2].poll() is None
+        trained[0] = 5.5
+        script.join(5)
+        assert not script.is_alive()
+        assert first[2].poll() == -9 and workers[2].poll() == 0     # worker 2 is gone for good: counted as done
+        assert relaunched == [1] and workers[1].poll() is None      # worker 1 runs again
+        assert all(code in (None, 0) for code in seen)              # the bench never sees a failed exit code
+        assert [(e["worker"], "killed" in e) for e in script.events] == [(1, True), (1, False), (2, True)]
+        assert [e["training_s"] for e in script.events if "killed" in e] == [2.0, 5.5]
     finally:
+        script.stop()
         for p in workers + first:
             p.kill()
             p.wait()
