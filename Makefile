@@ -102,7 +102,7 @@ FORCE:
 FAULT_PEERS = torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16
 FAULT_MODES = $(FAULT_PEERS),ps-local32x4o4:int8,ps-local32q3:int8,ps-local32x4o4q3:int8
 FAULTS_straggler = --straggler 3:2
-FAULTS_kills = --kill 1@2:restart=2 --kill 2@4:restart=2
+FAULTS_kills = --kill 1@33%:restart=2 --kill 2@67%:restart=2
 bench-faults: bench-faults-straggler.json bench-faults-kills.json
 bench-faults-%.json: setup FORCE
 	$(RACE) $(RACE_clf) --bandwidth 100mbit --modes $(FAULT_MODES) $(FAULTS_$*) --json $@ --plot $(@:.json=.png)
