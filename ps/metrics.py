@@ -58,6 +58,10 @@ class _ShardCollector:
                 ("deltaps_server_checkpoints", "checkpoints", "Checkpoints written by this server process"),
                 ("deltaps_server_outer_updates", "outer_updates",
                  "Local-update jobs (--local-steps): outer-optimizer steps applied to keys"),
+                ("deltaps_server_late_contributions", "late_contributions",
+                 "Quorum rounds: per-key deltas that arrived after their round closed (folded into the open one)"),
+                ("deltaps_server_pushes_after_stop", "after_stop",
+                 "Per-key pushes acknowledged but not applied because a worker had stopped the job (Stop)"),
         ):
             m = CounterMetricFamily(name, doc, labels=["shard"])
             m.add_metric([sid], float(c.get(key, 0)))
@@ -73,6 +77,8 @@ class _ShardCollector:
                 ("deltaps_server_min_workers", sh.job.min_workers if sh.job else 0,
                  "Elastic job: live workers below which it pauses (1 when not elastic)"),
                 ("deltaps_server_paused", int(sh.paused), "1 while an elastic job waits for workers to join"),
+                ("deltaps_server_stopped", int(sh.stopped is not None),
+                 "1 once a worker stopped the job (quorum rounds: rank 0 reached the target)"),
                 ("deltaps_server_codec_epoch", sh.codec_epoch, "Codec switches announced by this shard"),
         ):
             m = GaugeMetricFamily(name, doc, labels=["shard"])
