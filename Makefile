@@ -95,17 +95,19 @@ bench-peers-%.json: setup FORCE
 		--modes $(call race_modes,$(word 1,$(subst -, ,$*)),$(word 2,$(subst -, ,$*))) --json $@ --plot $(@:.json=.png)
 FORCE:
 
-# Faulty and heterogeneous clusters (docs/faults.md): the clf race at 100 Mbit/s, RACE_SEEDS seeds, every mode run
-# healthy and then with the faults in the same invocation (goodput = healthy / faulty time to target). straggler:
-# worker 3 at half speed; kills: worker 1 killed (kill -9) at 1/3 and worker 2 at 2/3 of a healthy run's time to
-# target (~6 s here for the best modes), each restarted 2 s later; rank 0 evaluates and is never killed.
-FAULT_PEERS = torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16
-FAULT_MODES = $(FAULT_PEERS),ps-local32x4o4:int8,ps-local32q3:int8,ps-local32x4o4q3:int8
-FAULTS_straggler = --straggler 3:2
-FAULTS_kills = --kill 1@33%:restart=2 --kill 2@67%:restart=2
+# Faulty and heterogeneous clusters (docs/faults.md): 4 workers at 100 Mbit/s, RACE_SEEDS seeds, every mode run
+# healthy and then with the faults in the same invocation (goodput = healthy / faulty time to target).
+# straggler: clf, worker 3 at half speed. kills: lm (a healthy run takes >= 20 s here), worker 1 killed (kill -9)
+# at 1/3 and worker 2 at 2/3 of each mode's own healthy time to target, each restarted 2 s later; rank 0 keeps the
+# training clock the kills follow and is never killed.
+FAULTS_straggler = $(RACE_clf) --straggler 3:2 \
+	--modes torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16,ps-local32x4o4:int8,$(QUORUM_MODES)
+QUORUM_MODES ?= ps-local32q3:int8,ps-local32x4o4q3:int8
+FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 \
+	--modes $(call PEERS_lm,100mbit),ps-local32:int8,ps-local32q3:int8
 bench-faults: bench-faults-straggler.json bench-faults-kills.json
 bench-faults-%.json: setup FORCE
-	$(RACE) $(RACE_clf) --bandwidth 100mbit --modes $(FAULT_MODES) $(FAULTS_$*) --json $@ --plot $(@:.json=.png)
+	$(RACE) --bandwidth 100mbit $(FAULTS_$*) --json $@ --plot $(@:.json=.png)
 
 # the race in a few minutes: one seed, clf, 100 Mbit/s, fp32 DDP, the best DDP hook and torchft peers, the best deltaps modes
 bench-peers-quick: setup

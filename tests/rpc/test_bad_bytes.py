@@ -19,6 +19,8 @@ from ps.shard import Shard
 PER_RPC = 40
 
 
+RPCS = 13     # methods of deltaps.ParameterServer (protos/deltaps.proto): a new one must be fuzzed here too
+
 def _bodies(rng: random.Random, valid: bytes) -> list[bytes]:
     """Random bytes, truncations of a valid message, and bytes with a broken length prefix."""
     out = [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64))) for _ in range(PER_RPC - 10)]
@@ -46,7 +48,7 @@ def test_undecodable_requests_are_invalid_argument_without_tracebacks(caplog):
     try:
         with caplog.at_level(logging.DEBUG):
             types = method_types()
-            assert len(types) == 12
+            assert len(types) == RPCS
             for name in types:
                 call = ch.unary_unary(f"/deltaps.ParameterServer/{name}")   # bytes in, bytes out
                 for body in _bodies(rng, valid):
@@ -64,7 +66,7 @@ def test_undecodable_requests_are_invalid_argument_without_tracebacks(caplog):
         assert "Traceback" not in text and "Exception deserializing" not in text
         refusal_lines = [r for r in caplog.records if "refused" in r.getMessage()]
         assert 1 <= len(refusal_lines) <= 2                        # one peer: one line per 10 s, not 469
-        assert statuses.get("INVALID_ARGUMENT", 0) >= 12 * 10      # most of them are undecodable
+        assert statuses.get("INVALID_ARGUMENT", 0) >= RPCS * 10      # most of them are undecodable
         assert _rejected_total(metrics.registry) == refused
         # oversized: gRPC itself refuses a body above --max-message-bytes before any handler runs
         big = ch.unary_unary("/deltaps.ParameterServer/Push")
@@ -75,7 +77,7 @@ def test_undecodable_requests_are_invalid_argument_without_tracebacks(caplog):
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
         stub = rpc.ParameterServerStub(ch)
         assert stub.Stats(pb.StatsRequest(), timeout=5).shard_id == 0      # still serving
-        print(f"\nbad-bytes fuzz: {12 * PER_RPC} requests, statuses {statuses}, {len(caplog.records)} log records, "
+        print(f"\nbad-bytes fuzz: {RPCS * PER_RPC} requests, statuses {statuses}, {len(caplog.records)} log records, "
               f"{len(refusal_lines)} refusal lines, rejected counter {_rejected_total(metrics.registry):.0f}")
     finally:
         stop_exporter(httpd)
@@ -103,10 +105,10 @@ def test_token_refusals_are_counted_and_garbage_with_a_token_is_invalid_argument
                     except grpc.RpcError as e:
                         codes[e.code().name] = codes.get(e.code().name, 0) + 1
                         assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (name, e.details())
-        assert codes["UNAUTHENTICATED"] == 2 * 13                 # no token / wrong token, every method
-        assert codes["INVALID_ARGUMENT"] == 12                    # right token, undecodable body
+        assert codes["UNAUTHENTICATED"] == 2 * (RPCS + 1)                 # no token / wrong token, every method
+        assert codes["INVALID_ARGUMENT"] == RPCS                    # right token, undecodable body
         assert codes["UNIMPLEMENTED"] == 1                        # right token, unknown method
-        assert _rejected_total(metrics.registry) == 2 * 13 + 12   # UNIMPLEMENTED is grpc's, not a refusal
+        assert _rejected_total(metrics.registry) == 2 * (RPCS + 1) + RPCS   # UNIMPLEMENTED is grpc's, not a refusal
         text = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records)
         # one line per (peer, reason): missing token, invalid token, undecodable body
         assert "Traceback" not in text and len([r for r in caplog.records if "refused" in r.getMessage()]) <= 3
