@@ -18,9 +18,10 @@ and at most MAX_PENDING counts are kept per table per shard (over it, the least 
 forgotten down to 3/4 of it). Counts are not charged to the memory cap (about 24 B per id counted).
 
 A push that names a row not held (filtered, or evicted since the pull under asp) is dropped and counted,
-unless it is a replay after a restart: then it allocates the row if the filter would admit it with one
-more occurrence (the lost incarnation's pulls are not replayed, so a filter threshold crossed after the
-checkpoint may be met one occurrence early or late).
+unless it is a replay after a restart: then it counts as the occurrence its lost pull was (pulls are not
+replayed) and allocates the row if that admits it. A restore from a checkpoint taken between steps thus
+replays exactly (every worker pushes the rows it pulled); one taken between a pull and its push counts
+that pull twice, so such a row may be admitted one occurrence early.
 """
 from __future__ import annotations
 
@@ -180,6 +181,13 @@ class DynamicTable(ShardTable):
         self.filtered_pulls += int((~held).sum())
         self._count(np.unique(ids[~held].numpy()))
         return out
+
+    def count_unheld(self, ids: torch.Tensor) -> None:
+        """One occurrence of each id not held (a replayed push standing in for its lost pull)."""
+        u = torch.unique(ids)
+        u = u[self.slots(u) < 0]
+        if u.numel() and self.spec.min_count > 1:
+            self._count(u.numpy())
 
     def _count(self, ids: np.ndarray) -> None:
         """One more occurrence of each (unique, not held) id."""

@@ -242,6 +242,9 @@ class EmbeddingStore:
         if grads:
             tables = [self.table(name) for name, _, _ in grads]
             self.counters["rows_allocated_by_replay"] += self._allocate(tables, [ids for _, ids, _ in grads], "replay")
+            for t, (_, ids, _) in zip(tables, grads):
+                if t.spec.dynamic:    # stands in for the pull the lost incarnation served (frequency filter)
+                    t.count_unheld(ids)
 
     def _count(self, grads) -> None:
         self.counters["pushes"] += 1
