@@ -100,8 +100,8 @@ def shard_of(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -> torch
     if not dynamic:
         return ids % num_shards
     with np.errstate(over="ignore"):
-        h = _mix(ids.numpy().astype(np.uint64) + _GOLD)     # negative ids wrap: their owner refuses them
-    return torch.from_numpy((h % np.uint64(num_shards)).astype(np.int64))
+        h = _mix(ids.cpu().numpy().astype(np.uint64) + _GOLD)   # negative ids wrap: their owner refuses them
+    return torch.from_numpy((h % np.uint64(num_shards)).astype(np.int64)).to(ids.device)
 
 
 def hash_uniform(ids, dim: int, seed: int, scale: float = 1.0, salt: int = 0) -> torch.Tensor:
