@@ -1,5 +1,5 @@
-"""Embedding table specs, their deterministic initialisation and the row wire format: what shards and
-clients of row-sparse embedding tables must agree on (the server's store is ps/embedding/)."""
+"""Embedding table specs, row ownership, their deterministic initialisation and the row wire format: what
+shards and clients of row-sparse embedding tables must agree on (the server's store is ps/embedding/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,12 +28,29 @@ class TableSpec:
     init: str = "uniform"
     init_scale: float = 0.05
     seed: int = 0
+    # dynamic: no row count; any id in [0, 2**63) is a row (raw 64-bit feature ids), hashed to shards,
+    # allocated on first touch. Only dynamic tables evict (ttl_steps) and filter (min_count).
+    dynamic: bool = False
+    ttl_steps: int = 0      # evict a row untouched (no pull, no push) for this many table steps; 0 = never
+    min_count: int = 0      # frequency filter: allocate a row on its min_count-th pull; 0 or 1 = first pull
 
     def validate(self) -> None:
         if not self.name:
             raise ValueError("embedding table needs a name")
-        if self.num_rows < 1 or self.dim < 1:
-            raise ValueError(f"table {self.name}: num_rows and dim must be >= 1")
+        if self.dim < 1:
+            raise ValueError(f"table {self.name}: dim must be >= 1")
+        if self.dynamic:
+            if self.num_rows != 0:
+                raise ValueError(f"table {self.name}: a dynamic table has no row count (num_rows must be 0, "
+                                 f"not {self.num_rows})")
+            if self.ttl_steps < 0 or self.min_count < 0:
+                raise ValueError(f"table {self.name}: ttl_steps and min_count must be >= 0 "
+                                 f"(got {self.ttl_steps}, {self.min_count})")
+        else:
+            if self.num_rows < 1:
+                raise ValueError(f"table {self.name}: num_rows must be >= 1 (or declare the table dynamic)")
+            if self.ttl_steps or self.min_count:
+                raise ValueError(f"table {self.name}: ttl_steps and min_count apply to dynamic tables only")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"table {self.name}: unknown optimizer {self.optimizer!r}; use {', '.join(OPTIMIZERS)}")
         if self.init not in INITS:
@@ -47,8 +64,11 @@ class TableSpec:
 
     @property
     def nbytes(self) -> int:
-        """Values only (what a dense nn.Embedding of this size holds)."""
+        """Values only (what a dense nn.Embedding of this size holds; 0 for a dynamic table)."""
         return self.num_rows * self.dim * 4
+
+    def owner(self, ids: torch.Tensor, num_shards: int) -> torch.Tensor:
+        return shard_of(ids, num_shards, self.dynamic)
 
     def to_proto(self, msg) -> None:
         for k, v in self.__dict__.items():
@@ -72,6 +92,18 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def shard_of(ids: torch.Tensor, num_shards: int, dynamic: bool = False) -> torch.Tensor:
+    """The shard holding each row (int64 tensor): id % n for fixed tables (shard-local index id // n);
+    splitmix64(id) % n for dynamic ones, so adjacent or strided raw feature ids spread over the shards.
+    Servers check ownership and clients route with this one function."""
+    ids = ids.to(torch.int64)
+    if not dynamic:
+        return ids % num_shards
+    with np.errstate(over="ignore"):
+        h = _mix(ids.cpu().numpy().astype(np.uint64) + _GOLD)   # negative ids wrap: their owner refuses them
+    return torch.from_numpy((h % np.uint64(num_shards)).astype(np.int64)).to(ids.device)
+
+
 def hash_uniform(ids, dim: int, seed: int, scale: float = 1.0, salt: int = 0) -> torch.Tensor:
     """float32 [len(ids), dim], uniform in [-scale, scale), identical for a row wherever it is computed."""
     ids = np.asarray(ids, dtype=np.int64).astype(np.uint64)
@@ -91,6 +123,8 @@ def init_rows(spec: TableSpec, ids) -> torch.Tensor:
 
 def dense_init(spec: TableSpec, block: int = 1 << 16) -> torch.Tensor:
     """The whole table as one dense tensor (what an nn.Embedding in allreduce / ps mode starts from)."""
+    if spec.dynamic:
+        raise ValueError(f"table {spec.name}: a dynamic table has no dense form")
     out = torch.empty(spec.num_rows, spec.dim)
     for lo in range(0, spec.num_rows, block):
         hi = min(spec.num_rows, lo + block)

@@ -7,6 +7,9 @@ a parameter or key name.
 Most values are read from the Shard at scrape time (its counters, staleness tally, key versions, live
 set), so the hot path pays nothing for them; what the shard does not keep (latencies, per-codec bytes,
 rejections, barrier waits) is recorded by wrapping the servicer's RPC methods (`instrument`).
+
+Embedding tables (ps/embedding/) add a `table` label: tables are declared by the job, a handful per shard,
+so it stays low-cardinality (never a row id).
 """
 from __future__ import annotations
 
@@ -112,6 +115,32 @@ class _ShardCollector:
                                   labels=["shard", "sync"])
             b.add_metric([sid, str(job.sync)], float(job.sync.bound if job.sync.kind == "ssp" else 0))
             yield b
+        yield from _embedding_families(sh, sid)
+
+
+_EMBEDDING = (   # (name, kind, stats key, doc); dynamic-only keys read 0 for fixed tables
+    ("deltaps_server_embedding_rows", "gauge", "rows_held", "Embedding rows held (allocated) per table"),
+    ("deltaps_server_embedding_bytes", "gauge", "bytes", "Bytes of embedding values + optimizer state per table"),
+    ("deltaps_server_embedding_pending_ids", "gauge", "pending_ids",
+     "Dynamic tables: ids counted by the frequency filter, not admitted yet"),
+    ("deltaps_server_embedding_rows_evicted", "counter", "rows_evicted",
+     "Dynamic tables: rows evicted for not being touched for ttl_steps table steps"),
+    ("deltaps_server_embedding_filtered_pushes", "counter", "filtered_pushes",
+     "Dynamic tables: gradient rows dropped because the row was not held (frequency filter, or evicted)"),
+    ("deltaps_server_embedding_filtered_pulls", "counter", "filtered_pulls",
+     "Dynamic tables: rows pulled before the frequency filter admitted them (served their init value)"),
+)
+
+
+def _embedding_families(sh, sid: str):
+    """Always yielded (empty without tables), so every family is exposed from the start."""
+    store = getattr(sh, "embedding", None)
+    tables = store.stats()["tables"] if store is not None else {}
+    for name, kind, key, doc in _EMBEDDING:
+        fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["shard", "table"])
+        for table, st in sorted(tables.items()):
+            fam.add_metric([sid, table], float(st.get(key, 0)))
+        yield fam
 
 
 class ServerMetrics:

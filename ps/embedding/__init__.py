@@ -7,6 +7,10 @@ preallocated table would hold) and keeps its optimizer state next to it. A per-s
 (`deltaps server --embedding-memory-cap`) bounds values + optimizer state of all tables of the shard: a pull
 that would allocate past it is refused with RESOURCE_EXHAUSTED naming table, shard, cap and row counts.
 
+Dynamic tables (`TableSpec(dynamic=True)`, ps/embedding/dynamic.py): no row count, any id in [0, 2**63),
+the owner is splitmix64(id) % num_shards (deltaps.embedding.shard_of), rows evicted after `ttl_steps`
+untouched steps and admitted by a frequency filter (`min_count` pulls).
+
 Optimizers (row-wise, only rows in the step's gradient are touched, state allocated per row):
   * sgd      p -= lr * g                                 (== torch.optim.SGD, no momentum / weight decay)
   * adagrad  s += g*g; p -= lr * g / (sqrt(s) + eps)      (== torch.optim.Adagrad, sparse or dense)
@@ -25,9 +29,10 @@ checkpoint (ps/durability.py) and restore() loads it into the store attach() con
 evicted (its own reaper, and ps/membership.py's evict), a registering one rejoins at the current version;
 a push re-sent after a restart (`replay`) may allocate the rows the restored shard lacks.
 """
+from ps.embedding.dynamic import DynamicTable
 from ps.embedding.service import attach, handle_pull, handle_push, handle_register, handle_stats, store_of
 from ps.embedding.store import EmbeddingStore
 from ps.embedding.table import ShardTable, coalesce
 
-__all__ = ["EmbeddingStore", "ShardTable", "attach", "coalesce", "handle_pull", "handle_push", "handle_register",
+__all__ = ["DynamicTable", "EmbeddingStore", "ShardTable", "attach", "coalesce", "handle_pull", "handle_push", "handle_register",
            "handle_stats", "store_of"]

@@ -11,6 +11,7 @@ import torch
 from compression.server import all_finite
 from deltaps.embedding import TableSpec
 from deltaps.errors import NOT_LIVE_MEMBER, EmbeddingError
+from ps.embedding.dynamic import DynamicTable
 from ps.embedding.table import ShardTable, coalesce
 from ps.reaper import reaper_tick, start_reaper
 
@@ -72,7 +73,8 @@ class EmbeddingStore:
                                                                 f"{s}, shard holds {have.spec}")
             for s in specs:
                 if s.name not in self.tables:
-                    self.tables[s.name] = ShardTable(s, self.shard_id, self.num_shards)
+                    self.tables[s.name] = (DynamicTable if s.dynamic else ShardTable)(s, self.shard_id,
+                                                                                      self.num_shards)
             self._admit(worker)
             version = self.version
         self.start_reaper()
@@ -201,13 +203,15 @@ class EmbeddingStore:
                                                              f"({ids.numel()}, {t.spec.dim})")
                 if not all_finite(g):
                     raise EmbeddingError("INVALID_ARGUMENT", f"table {name}: non-finite gradient")
-                if not replay and ids.numel() and bool((t.slots(ids) < 0).any()):
+                # a dynamic table drops (and counts) gradients of rows it does not hold: filtered or evicted
+                if not replay and not t.spec.dynamic and ids.numel() and bool((t.slots(ids) < 0).any()):
                     raise EmbeddingError("FAILED_PRECONDITION", f"table {name}: gradient for rows never pulled")
             if step < self.pushed.get(worker, 0):
                 self.counters["duplicates"] += 1
                 return True, self.version
             if self.sync == "asp":
-                self._allocate_replayed(grads)
+                if replay:   # only a replay may name rows not held (a fixed table checked above)
+                    self._allocate_replayed(grads)
                 self.pushed[worker] = step + 1
                 self._apply({name: [(ids, g)] for name, ids, g in grads}, 1.0 / self.world_size)
                 self.version = min(self.pushed[w] for w in self.live) if self.live else self.version
@@ -224,7 +228,8 @@ class EmbeddingStore:
             if self.version > step or step < self.pushed.get(worker, 0):   # applied already / a concurrent retry
                 self.counters["duplicates"] += 1
                 return True, self.version
-            self._allocate_replayed(grads)
+            if replay:   # only a replay may name rows not held (a fixed table checked above)
+                self._allocate_replayed(grads)
             self._agg[worker] = {}
             for name, ids, g in grads:
                 self._agg[worker].setdefault(name, []).append((ids, g))
@@ -237,6 +242,9 @@ class EmbeddingStore:
         if grads:
             tables = [self.table(name) for name, _, _ in grads]
             self.counters["rows_allocated_by_replay"] += self._allocate(tables, [ids for _, ids, _ in grads], "replay")
+            for t, (_, ids, _) in zip(tables, grads):
+                if t.spec.dynamic:    # stands in for the pull the lost incarnation served (frequency filter)
+                    t.count_unheld(ids)
 
     def _count(self, grads) -> None:
         self.counters["pushes"] += 1
@@ -303,8 +311,8 @@ class EmbeddingStore:
             raise ValueError(f"embedding checkpoint is of shard {state['shard_id']}/{state['num_shards']}, "
                              f"this server is {self.shard_id}/{self.num_shards}")
         with self.cond:
-            self.tables = {name: ShardTable.from_state_dict(t, self.shard_id, self.num_shards)
-                           for name, t in state["tables"].items()}
+            self.tables = {name: (DynamicTable if t["spec"].get("dynamic") else ShardTable).from_state_dict(
+                               t, self.shard_id, self.num_shards) for name, t in state["tables"].items()}
             self.world_size, self.sync = int(state["world_size"]), state["sync"]
             self.live, self.version = {int(w) for w in state["live"]}, int(state["version"])
             self.pushed = {int(w): int(s) for w, s in state["pushed"].items()}
@@ -325,6 +333,4 @@ class EmbeddingStore:
         with self.cond:
             return {"shard_id": self.shard_id, "version": self.version, "memory_cap_bytes": self.memory_cap_bytes,
                     "bytes": self.nbytes, "live_workers": sorted(self.live), **self.counters,
-                    "tables": {n: {"rows_held": t.rows, "rows_owned": t.local_rows, "bytes": t.nbytes,
-                                   "optimizer": t.spec.optimizer, "rows_applied": t.rows_applied}
-                               for n, t in self.tables.items()}}
+                    "tables": {n: t.stats() for n, t in self.tables.items()}}

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import torch
 
-from deltaps.embedding import STATE_TENSORS, TableSpec, init_rows
+from deltaps.embedding import STATE_TENSORS, TableSpec, init_rows, shard_of
 from deltaps.errors import EmbeddingError
 
 
@@ -58,7 +58,7 @@ class ShardTable:
         if lo < 0 or hi >= self.spec.num_rows:
             raise EmbeddingError("INVALID_ARGUMENT", f"table {self.spec.name}: row id out of range "
                                                      f"[0, {self.spec.num_rows}): min {lo}, max {hi}")
-        if bool(((ids % self.num_shards) != self.shard_id).any()):
+        if bool((shard_of(ids, self.num_shards) != self.shard_id).any()):
             raise EmbeddingError("INVALID_ARGUMENT", f"table {self.spec.name}: row ids not owned by shard "
                                                      f"{self.shard_id} (owner = id % {self.num_shards})")
 
@@ -121,6 +121,10 @@ class ShardTable:
             p.add_(m.div(denom).mul_(-step_size))
         self.values.index_copy_(0, slots, p)
         self.rows_applied += ids.numel()
+
+    def stats(self) -> dict:
+        return {"rows_held": self.rows, "rows_owned": self.local_rows, "bytes": self.nbytes,
+                "optimizer": self.spec.optimizer, "rows_applied": self.rows_applied}
 
 
 def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:

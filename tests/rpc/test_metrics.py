@@ -153,7 +153,7 @@ def test_exporter_serves_http(trained):
 
 def test_labels_are_low_cardinality(trained):
     c, _ = trained
-    allowed = {"shard", "worker", "codec", "rpc", "reason", "sync", "le", "gpu"}
+    allowed = {"shard", "worker", "codec", "rpc", "reason", "sync", "le", "gpu", "table"}
     for m in c.server_metrics + c.worker_metrics:
         for fam in m.registry.collect():
             for s in fam.samples:

@@ -1,6 +1,7 @@
 """EmbeddingClient: sparse pull/push of embedding rows across all shards in parallel (one channel per shard).
 
-Rows live on shard id % num_shards (ps/embedding/ applies the row-wise optimizer there). Shard restarts
+Rows live on shard id % num_shards, or splitmix64(id) % num_shards for a dynamic table (one rule for both
+sides: deltaps.embedding.shard_of; ps/embedding/ applies the row-wise optimizer there). Shard restarts
 (from a checkpoint) and evictions are handled per shard by worker/embedding/session.py: reconnect, replay,
 rejoin. The nn.Module side (PSEmbedding, replace_embeddings) is worker/embedding/modules.py.
 """
@@ -70,9 +71,9 @@ class EmbeddingClient:
         return min(self.versions)
 
     # ---- routing -------------------------------------------------------------------------
-    def _split(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _split(self, table: str, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per shard: (positions in ids, ids)."""
-        owner = ids % self.n
+        owner = self.tables[table].owner(ids, self.n)
         out = []
         for s in range(self.n):
             pos = (owner == s).nonzero().flatten()
@@ -95,7 +96,7 @@ class EmbeddingClient:
         for name, ids in ids_by_table.items():
             ids = ids.to(torch.int64).flatten()
             out[name] = torch.empty(ids.numel(), self.tables[name].dim)
-            for s, (pos, sid) in enumerate(self._split(ids)):
+            for s, (pos, sid) in enumerate(self._split(name, ids)):
                 per_shard[s].append((name, pos, sid))
 
         def one(shard):
@@ -135,7 +136,7 @@ class EmbeddingClient:
         for name, (ids, g) in grads.items():
             ids = ids.to(torch.int64).flatten()
             g = g.detach().reshape(ids.numel(), self.tables[name].dim)
-            for s, (pos, sid) in enumerate(self._split(ids)):
+            for s, (pos, sid) in enumerate(self._split(name, ids)):
                 if sid.numel():
                     per_shard[s].append(pb.EmbeddingRows(table=name, ids=ids_to_bytes(sid),
                                                          values=rows_to_bytes(g.index_select(0, pos))))
