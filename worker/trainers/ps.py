@@ -144,8 +144,13 @@ class ParameterServer(Strategy):
         if self.quorum and run.steps_to_target is not None and opt.client.job_stop is None:
             opt.client.stop(run.steps_to_target, run.time_to_target_s, f"worker {self.rank} reached the target")
         steady = self._steady_rounds() if opt.local else {}
-        # a job an evaluation stopped keeps the shards' model it evaluated (no flush of inner steps)
-        adopt_server_params(opt, flush=run.stopped_at is None)
+        if self.quorum and opt.client.job_stop is not None and opt.client.job_stop["worker_id"] == self.rank:
+            # the judge keeps the global model it judged: under quorum the keys' rounds close independently, so
+            # the shards' keys may be a round apart at the stop (docs/local-updates.md#quorum-rounds)
+            opt.client.barrier("train-done")
+            opt.load(opt.staging)
+        else:   # a job an evaluation stopped keeps the shards' model it evaluated (no flush of inner steps)
+            adopt_server_params(opt, flush=run.stopped_at is None)
         note = {"optimizer_note": f"server {self.cfg.optimizer} on every parameter, table included"}
         return dict(**comm_counters(opt.client.stats.snapshot()), codec=self.cfg.codec, final_codec=opt.client.codec,
                     codec_switches=opt.codec_switches, codec_fallbacks=self.fallbacks,
