@@ -44,3 +44,24 @@ def test_a_killed_worker_does_not_stall_the_rounds(procs, tmp_path):
     assert st.evictions == 1 and st.sync == "quorum:2:grace=0.1s"
     results = [json.loads((tmp_path / f"w{r}.json").read_text()) for r in range(2)]
     assert all(r["steps"] == 640 and r["final_test_accuracy"] > 0.8 for r in results), procs.tail()
+
+
+def test_a_quorum_job_with_a_straggler_stops_everywhere_at_rank_0s_target(tmp_path):
+    """deltaps launch, 3 workers, quorum 2, worker 2 at a third of the speed: rank 0 judges the target and stops the
+    job; every rank reports rank 0's step and time, the judged model is the result, the straggler's rounds came late."""
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--json", str(out), "--workers",
+                                     "3", "--steps", "2000", "--local-steps", "8", "--sync", "quorum:2:grace=0.25",
+                                     "--straggler", "2:3", "--eval-every", "16", "--target-accuracy", "0.9"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    ranks = s["per_worker"]
+    stop = ranks[0]["steps_to_target"]
+    assert stop is not None and ranks[0]["final_test_accuracy"] >= 0.9        # the judged model is the result
+    assert all(r["steps_to_target"] == stop and r["time_to_target_s"] == ranks[0]["time_to_target_s"] for r in ranks)
+    assert all(r["steps"] < 2000 for r in ranks)                               # nobody trained on to --steps
+    assert [bool(r.get("evals")) for r in ranks] == [True, False, False]       # rank 0 alone evaluates
+    assert ranks[2]["straggler_achieved_factor"] == pytest.approx(3.0, rel=0.01)
+    stats = s["server_stats"]
+    assert all(st["stopped"] for st in stats) and sum(st["late_contributions"] for st in stats) > 0
