@@ -93,6 +93,15 @@ class TrainConfig:
         0.0,
         "--mode torchft diloco: torchft's fragment_update_alpha, in [0, 1] (0: a fragment takes the global "
         "values after its sync; a > 0 keeps that share of the local ones)")
+    torchft_min_replicas: int = option(
+        0,
+        "--mode torchft: the fewest replicas a quorum may have (torchft's min_replica_size and the Lighthouse's "
+        "--min_replicas): below the workers, rounds go on without a dead replica, which heals from a peer when it "
+        "rejoins; 0 = every worker (synchronous: every replica in every round)")
+    torchft_timeout_s: float = option(
+        0.0,
+        "--mode torchft: torchft's Manager, quorum and gloo timeout in seconds (how long a round waits for a dead "
+        "replica); 0 = --timeout")
     torchft_wire: str = option(
         "fp32",
         "--mode torchft diloco: the dtype the pseudo-gradients are allreduced in: fp32, fp16 or bf16 (cast before "

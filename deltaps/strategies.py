@@ -15,11 +15,13 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
                                         rounds, --sync quorum:Q[:grace=G][:late=equal|discount]
   hybrid[:fp16|bf16]                    embeddings row-sparse on the PS, the dense part allreduced (--workload
                                         ctr), optionally through the fp16 / bf16 hook
-  torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:<outer>]
+  torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:min_replicas=N][:timeout=S][:<outer>]
                                         the peer: torchft's own DiLoCo (F > 1: Streaming DiLoCo, fragment delay
                                         tau, default 0; alpha: its fragment_update_alpha, default 0; wire: the
                                         dtype its pseudo-gradients are allreduced in, default fp32), the same
-                                        outer optimizer settings as the ps-local modes
+                                        outer optimizer settings as the ps-local modes; min_replicas: its
+                                        quorum's minimum (default every worker), timeout: its Manager / gloo
+                                        timeout in seconds (default the job's --timeout)
   torchft:localsgd:sync=H               torchft's LocalSGD (the models averaged every H steps)
 <outer> (local-update specs, any order among the parameters): outer=avg|sgd|nesterov, outer_lr=x,
 outer_momentum=m — this mode's outer optimizer (--outer-optimizer / --outer-lr / --outer-momentum), else the
@@ -56,7 +58,8 @@ MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-a
               "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>[:grace=G][:outer=..], hybrid[:fp16|bf16], "
               "torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:outer=..] "
               "or torchft:localsgd:sync=H")
-TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps"}
+TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps",
+                "min_replicas": "min_replicas"}
 OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"}
 OUTER_ITEM = re.compile(r"(?:^|[:,])(outer(?:_lr|_momentum)?)=([^:,]*)")
 WIRE_DTYPES = ("fp32", "fp16", "bf16")     # torchft:diloco's wire=: the dtype its pseudo-gradients are allreduced in
@@ -84,6 +87,8 @@ class ModeSpec:
     outer_momentum: float | None = None
     fragment_alpha: float | None = None  # torchft:diloco alpha= (fragment_update_alpha; None: torchft's 0)
     wire_dtype: str | None = None        # torchft:diloco wire= (None: fp32)
+    min_replicas: int | None = None      # torchft min_replicas= (None: every worker)
+    ft_timeout_s: float | None = None    # torchft timeout= seconds (None: the job's --timeout)
     text: str = field(default="", compare=False)     # the spec as written
 
     def outer_overrides(self) -> dict:
@@ -101,7 +106,8 @@ class ModeSpec:
         if self.family == "hybrid":
             return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", **hook}
         if self.family == "torchft":
-            extra = {k: v for k, v in (("torchft_alpha", self.fragment_alpha), ("torchft_wire", self.wire_dtype))
+            extra = {k: v for k, v in (("torchft_alpha", self.fragment_alpha), ("torchft_wire", self.wire_dtype),
+                                       ("torchft_min_replicas", self.min_replicas), ("torchft_timeout_s", self.ft_timeout_s))
                      if v is not None}
             return {"mode": "torchft", "sync": "bsp", "torchft_algorithm": self.algorithm, "local_steps": self.local_steps,
                     "stream_fragments": self.stream_fragments, "overlap_steps": self.overlap_steps or 0,
@@ -123,6 +129,8 @@ class ModeSpec:
                             if v and (k != "fragments" or v != 1))
             extra += f":alpha={self.fragment_alpha}" if self.fragment_alpha is not None else ""
             extra += f":wire={self.wire_dtype}" if self.wire_dtype is not None else ""
+            extra += f":min_replicas={self.min_replicas}" if self.min_replicas is not None else ""
+            extra += f":timeout={self.ft_timeout_s:g}" if self.ft_timeout_s is not None else ""
             return f"torchft:{self.algorithm}:sync={self.local_steps}{extra}{self.outer_text()}"
         if self.local_steps is None:
             return f"{'ps-asp' if self.sync == 'asp' else 'ps'}:{self.codec}"
@@ -197,21 +205,32 @@ def _torchft_spec(arg: str, text: str) -> ModeSpec:
     rest, fields = _outer_fields(rest, text)
     if fields and algorithm == "localsgd":
         raise ValueError(f"mode {text!r}: torchft:localsgd averages the models: it has no outer optimizer")
-    allowed = "sync=H (integers)" if algorithm == "localsgd" else (
-        "sync=H, fragments=F, delay=tau (integers), alpha=a in [0, 1], wire=fp32|fp16|bf16")
+    allowed = "sync=H, min_replicas=N (integers), timeout=S" if algorithm == "localsgd" else (
+        "sync=H, fragments=F, delay=tau, min_replicas=N (integers), alpha=a in [0, 1], wire=fp32|fp16|bf16, timeout=S")
     for item in filter(None, rest.replace(",", ":").split(":")):
         key, _, value = item.partition("=")
         if algorithm == "diloco" and key == "wire" and value in WIRE_DTYPES:
             fields["wire_dtype"] = value
         elif algorithm == "diloco" and key == "alpha" and _fraction(value) is not None:
             fields["fragment_alpha"] = _fraction(value)
-        elif key not in TORCHFT_KEYS or not value.isdigit() or (algorithm == "localsgd" and key != "sync"):
+        elif key == "timeout" and _positive(value) is not None:
+            fields["ft_timeout_s"] = _positive(value)
+        elif key not in TORCHFT_KEYS or not value.isdigit() or (algorithm == "localsgd" and key not in ("sync", "min_replicas")):
             raise ValueError(f"mode {text!r}: torchft:{algorithm} takes {allowed}, not {item!r}")
         else:
             fields[TORCHFT_KEYS[key]] = int(value)
     if "local_steps" not in fields:
         raise ValueError(f"mode {text!r}: torchft:{algorithm} needs sync=H (a sync every H inner steps)")
     return ModeSpec("torchft", algorithm=algorithm, text=text, **fields)
+
+
+def _positive(value: str) -> float | None:
+    """value as a float > 0 (finite), else None."""
+    try:
+        x = float(value)
+    except ValueError:
+        return None
+    return x if 0 < x < float("inf") else None
 
 
 def _fraction(value: str) -> float | None:

@@ -176,8 +176,9 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
                 target += ["--master-addr", net.addr(worker_nodes[0]), "--master-port",
                            str(29500 if net.topo else free_port())]
         elif cfg.mode == "torchft":    # torchft's Lighthouse on a shard node (torchft has no shards)
-            servers.append(start_lighthouse(net.addr(0), W, open(os.path.join(d, "lighthouse.log"), "w"),
-                                            net.prefix(0), 29510 if net.topo else None))
+            servers.append(start_lighthouse(net.addr(0), cfg.torchft_min_replicas or W,
+                                            open(os.path.join(d, "lighthouse.log"), "w"), net.prefix(0),
+                                            29510 if net.topo else None))
             target = ["--lighthouse", servers[-1].url]
         else:
             port = 29500 if net.topo else free_port()

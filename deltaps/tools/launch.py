@@ -114,7 +114,8 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         if needs.collective:         # a gloo rendezvous (DDP, hybrid's dense allreduce, pipeline stages' p2p)
             target += ["--master-addr", host, "--master-port", str(free_port(host))]
         if needs.needs_lighthouse:
-            servers.append(start_lighthouse(host, cfg.workers, open(os.path.join(tmp, "lighthouse.log"), "w")))
+            replicas = cfg.torchft_min_replicas or cfg.workers      # the quorum's minimum
+            servers.append(start_lighthouse(host, replicas, open(os.path.join(tmp, "lighthouse.log"), "w")))
             target += ["--lighthouse", servers[-1].url]
         if not quiet and not needs.needs_servers:
             print(f"deltaps launch: {cfg.mode} ({' '.join(target)}); {cfg.workers} workers", flush=True)

@@ -76,6 +76,9 @@ EXPECTED = {   # what bench compare's parse_mode returned before the grammar mov
     "torchft:diloco:sync=32:alpha=0.5:wire=bf16:outer=nesterov:outer_lr=0.7": {
         "mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco", "local_steps": 32, "stream_fragments": 1,
         "overlap_steps": 0, "torchft_alpha": 0.5, "torchft_wire": "bf16", "outer_optimizer": "nesterov", "outer_lr": 0.7},
+    "torchft:diloco:sync=32:wire=fp16:min_replicas=2:timeout=10": {
+        "mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco", "local_steps": 32, "stream_fragments": 1,
+        "overlap_steps": 0, "torchft_wire": "fp16", "torchft_min_replicas": 2, "torchft_timeout_s": 10.0},
     "torchft:diloco:sync=8:outer=sgd:outer_momentum=0:wire=fp16": {
         "mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco", "local_steps": 8, "stream_fragments": 1,
         "overlap_steps": 0, "torchft_wire": "fp16", "outer_optimizer": "sgd", "outer_momentum": 0.0},
@@ -91,7 +94,9 @@ BAD = {   # spec -> what the message says besides the spec itself
     "torchft": "torchft runs diloco or localsgd",
     "torchft:diloco": "needs sync=H",
     "torchft:diloco:sync=8:tau=2": "takes sync=H, fragments=F, delay=tau",
-    "torchft:localsgd:sync=8:fragments=2": "takes sync=H (integers)",
+    "torchft:localsgd:sync=8:fragments=2": "takes sync=H, min_replicas=N (integers), timeout=S",
+    "torchft:diloco:sync=8:min_replicas=x": "min_replicas=N (integers)",
+    "torchft:diloco:sync=8:timeout=0": "timeout=S",
     "ddp:int8": "unknown ddp hook 'int8'; use none, fp16, bf16, powersgd:rank=R",
     "ddp:fp8": "unknown ddp hook",
     "ddp:fp16:rank=2": "unexpected parameter",
@@ -110,10 +115,10 @@ BAD = {   # spec -> what the message says besides the spec itself
     "ps:int8:outer=avg": "need a local-update mode",
     "ps-local8:int8:outer=adam": "outer must be avg, sgd or nesterov",
     "ps-local8:int8:outer_lr=fast": "outer_lr must be a number",
-    "torchft:diloco:sync=8:wire=int8": "alpha=a in [0, 1], wire=fp32|fp16|bf16, not 'wire=int8'",
+    "torchft:diloco:sync=8:wire=int8": "alpha=a in [0, 1], wire=fp32|fp16|bf16, timeout=S, not 'wire=int8'",
     "torchft:diloco:sync=8:alpha=2": "not 'alpha=2'",
     "torchft:localsgd:sync=8:outer=avg": "has no outer optimizer",
-    "torchft:localsgd:sync=8:wire=bf16": "takes sync=H (integers), not",
+    "torchft:localsgd:sync=8:wire=bf16": "takes sync=H, min_replicas=N (integers), timeout=S, not",
 }
 
 

@@ -114,6 +114,9 @@ class TorchFT(Strategy):
                              "or --overlap-steps")
         if cfg.sync != "bsp":
             raise ValueError(f"--mode torchft runs synchronous quorums: --sync bsp, not {cfg.sync}")
+        if not 0 <= cfg.torchft_min_replicas <= cfg.workers or cfg.torchft_timeout_s < 0:
+            raise ValueError(f"--torchft-min-replicas must be in [0, --workers {cfg.workers}] and --torchft-timeout-s "
+                             f">= 0, got {cfg.torchft_min_replicas} and {cfg.torchft_timeout_s}")
         if cfg.torchft_wire not in WIRE_TORCH_DTYPES or not 0.0 <= cfg.torchft_alpha <= 1.0:
             raise ValueError(f"--torchft-wire must be fp32, fp16 or bf16 and --torchft-alpha in [0, 1], got "
                              f"{cfg.torchft_wire!r} and {cfg.torchft_alpha}")
@@ -139,9 +142,10 @@ class TorchFT(Strategy):
         self.model = model = self.workload.build_model()
         self.inner = inner = local_optimizer(cfg, model.parameters())
         self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        timeout = timedelta(seconds=cfg.timeout_s)
+        timeout = timedelta(seconds=cfg.torchft_timeout_s or cfg.timeout_s)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=self.ctx.world_size, use_async_quorum=False,
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.torchft_min_replicas or self.ctx.world_size,
+            use_async_quorum=False,
             load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
             state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
             replica_id=f"deltaps_{self.rank}", rank=0, world_size=1, store_addr=host, store_port=self.store.port,
