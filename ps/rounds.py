@@ -5,7 +5,10 @@ open. It closes when every live worker has contributed (at once, as bsp), or whe
 grace window since the Q-th has passed: G x the median of the key's recent open-to-quorum spans (adaptive: a
 slower cluster waits longer), or G seconds with `grace=Gs`. A delta pushed for an older round (a straggler's,
 or one that missed its round's close) is *late*: it folds into the open round instead of being dropped, and
-counts toward its quorum. Every contribution has the same weight: each covers H inner steps of the same batch
+counts toward its quorum. A round that cannot reach its quorum (more dead workers than Q allows, not yet evicted
+by --worker-timeout) closes with what it has once it has been open STARVED x the recent open-to-quorum span (at
+least STARVED_MIN_S and twice the grace window).
+Every contribution has the same weight: each covers H inner steps of the same batch
 size, i.e. the same samples; the mean is over contributions. A worker that pulled version v may push round v
 next, skipping the rounds it missed (a joiner does the same). A dead worker costs its own contribution; its
 eviction (--worker-timeout) only shrinks the set that closes a round at once. With Q = all and G = 0 a
@@ -26,6 +29,8 @@ from deltaps.sync import SyncMode
 from ps.state import KeyState
 
 RECENT_ROUNDS = 8       # spans the adaptive grace window takes its median over
+STARVED = 3.0           # a round short of its quorum closes after this many recent spans with what it has,
+STARVED_MIN_S = 1.0     # and never sooner than this nor than twice its grace window
 
 
 class QuorumRounds:
@@ -35,10 +40,17 @@ class QuorumRounds:
         self.opened_at: dict[str, float] = {}   # key -> monotonic time its open round opened
         self.deadline: dict[str, float] = {}    # key -> end of the open round's grace window (quorum reached)
         self.spans: dict[str, deque] = {}       # key -> recent open-to-quorum times
+        self.starve_at: dict[str, float] = {}   # key -> when its open round closes short of its quorum
 
     def contributed(self, ks: KeyState) -> None:
-        """A contribution arrived (the first of a round opens it, if no close did: the job's first round)."""
-        self.opened_at.setdefault(ks.spec.key, time.monotonic())
+        """A contribution arrived (the first of a round opens it, if no close did: the job's first round); the
+        round's first contribution arms the starvation timer."""
+        key = ks.spec.key
+        self.opened_at.setdefault(key, time.monotonic())
+        if len(ks.agg_from) == 0 and self.spans.get(key):
+            wait = max(STARVED * statistics.median(self.spans[key]), STARVED_MIN_S, 2 * self.grace_s(key))
+            self.starve_at[key] = self.opened_at[key] + wait
+            self._timer(max(0.0, self.starve_at[key] - time.monotonic()), ks, self.starve_at)
 
     def due(self, ks: KeyState, live: set[int]) -> bool:
         """Whether the open round of `ks` closes now (the caller holds ks.cond and has checked that it has
@@ -47,7 +59,7 @@ class QuorumRounds:
         if live <= ks.agg_from:
             return True
         if len(ks.agg_from) < self.sync.quorum_of(len(live)):
-            return False
+            return time.monotonic() >= self.starve_at.get(ks.spec.key, float("inf"))   # the dead hold no round
         key, now = ks.spec.key, time.monotonic()
         if key not in self.deadline:
             spans = self.spans.setdefault(key, deque(maxlen=RECENT_ROUNDS))
@@ -55,10 +67,14 @@ class QuorumRounds:
             grace = self.grace_s(key)
             self.deadline[key] = now + grace
             if grace > 0:
-                timer = threading.Timer(grace, self._grace_over, (ks, ks.version))
-                timer.daemon = True
-                timer.start()
+                self._timer(grace, ks, self.deadline)
         return now >= self.deadline[key]
+
+    def _timer(self, delay: float, ks: KeyState, ends: dict[str, float]) -> None:
+        """Close the round of `ks` open now once `delay` has passed (ends: the deadlines the wait is on)."""
+        timer = threading.Timer(delay, self._wait_over, (ks, ks.version, ends))
+        timer.daemon = True
+        timer.start()
 
     def grace_s(self, key: str) -> float:
         if self.sync.grace_in_s:
@@ -69,10 +85,12 @@ class QuorumRounds:
     def closed(self, ks: KeyState) -> None:
         """The open round of `ks` was applied: the next one opens now."""
         self.deadline.pop(ks.spec.key, None)
+        self.starve_at.pop(ks.spec.key, None)
         self.opened_at[ks.spec.key] = time.monotonic()
 
-    def _grace_over(self, ks: KeyState, version: int) -> None:
+    def _wait_over(self, ks: KeyState, version: int, ends: dict[str, float]) -> None:
+        """A grace window or a starvation wait ended: close the round if it is still open (and due)."""
         with ks.cond:
-            if ks.version == version and ks.agg_from:
-                self.deadline[ks.spec.key] = min(self.deadline.get(ks.spec.key, 0.0), time.monotonic())
+            if ks.version == version and ks.agg_from and ks.spec.key in ends:
+                ends[ks.spec.key] = min(ends[ks.spec.key], time.monotonic())   # a timer may fire a hair early
                 self.close(ks)

@@ -120,6 +120,21 @@ def test_the_grace_window_waits_for_a_straggler_then_closes_without_it(cluster_f
         cl.close()
 
 
+def test_a_round_the_dead_keep_short_of_its_quorum_closes_with_what_it_has(cluster_factory):
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0")
+    w0.push({"w": torch.ones(N)}, 0)
+    w1.push({"w": torch.ones(N)}, 0)              # round 0 at its quorum: the recent span is known
+    t0 = time.monotonic()
+    w0.push({"w": torch.full((N,), 3.0)}, 1)      # workers 1 and 2 are gone (not evicted): no quorum of 2
+    w0.pull(min_version=2)
+    waited = time.monotonic() - t0
+    assert 0.9 < waited < 3.0, waited             # STARVED_MIN_S (1 s): a starving round waits, then goes on
+    assert torch.equal(_value(w0), -torch.ones(N) - 3.0)
+    assert c.shards[0].stats()["step_contributors"][1] == 1
+    for cl in (w0, w1, w2):
+        cl.close()
+
+
 def test_quorum_needs_a_local_update_job(cluster_factory):
     c = cluster_factory(1)
     cl = client(c.addrs, 0, 2, sync="quorum:1")
