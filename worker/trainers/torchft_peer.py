@@ -149,7 +149,9 @@ class TorchFT(Strategy):
             load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
             state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
             replica_id=f"deltaps_{self.rank}", rank=0, world_size=1, store_addr=host, store_port=self.store.port,
-            lighthouse_addr=lighthouse, hostname=host, timeout=timeout, quorum_timeout=timeout,
+            # the quorum outwaits a collective: a replica restarting while the others time out of a round with the
+            # dead one (gloo, `timeout`) still finds its quorum (torchft's defaults tie both at 60 s)
+            lighthouse_addr=lighthouse, hostname=host, timeout=timeout, quorum_timeout=2 * timeout,
             init_sync=False)    # every replica builds the same seeded model: torchft's advice is no step-0 sync
         self.closables.append(lambda: self.manager.shutdown(wait=False))
         # our hook first: it marks the end of the inner step, so what torchft's hook takes after it is the sync
