@@ -105,7 +105,7 @@ FAULTS_straggler = $(RACE_clf) --straggler 3:2 \
 	--modes torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16,ps-local32x4o4:int8,$(QUORUM_MODES)
 QUORUM_MODES ?= ps-local32q3:int8:late=discount,ps-local32q3:int8
 FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 \
-	--modes $(subst wire=fp16,wire=fp16:timeout=10,$(subst wire=bf16,wire=bf16:timeout=10,$(call PEERS_lm,100mbit))),ps-local32:int8,ps-local32q3:int8:late=discount
+	--modes $(subst wire=fp16,wire=fp16:timeout=10,$(subst wire=bf16,wire=bf16:timeout=10,$(call PEERS_lm,100mbit))),ps-local32:int8,ps-local32q4:int8:late=discount
 bench-faults: bench-faults-straggler.json bench-faults-kills.json
 bench-faults-%.json: setup FORCE
 	$(RACE) --bandwidth 100mbit $(FAULTS_$*) --json $@ --plot $(@:.json=.png)
