@@ -135,11 +135,16 @@ class _Shards:
     def crash(self, i):
         self.servers[i].stop(grace=None).wait()
 
-    def restart(self, i):
+    def restored(self, i):
+        """Shard i as its latest checkpoint left it, not serving yet."""
         shard = Shard(i, 2)
         if self.cap:
             attach(shard, self.cap)
         assert restore_latest(shard, str(self.tmp / f"s{i}")) is not None
+        return shard
+
+    def restart(self, i):
+        shard = self.restored(i)
         self.start(i, shard)
         return shard
 

@@ -5,14 +5,11 @@ import time
 
 import pytest
 import torch
+from test_embedding_durability import _Shards
 
 from deltaps.embedding import TableSpec, init_rows, shard_of
 from deltaps.errors import PSError
-from deltaps.tools.launch import free_port
-from ps.durability import Checkpointer, restore_latest
 from ps.metrics import ServerMetrics
-from ps.server import start_server
-from ps.shard import Shard
 from worker.embedding import EmbeddingClient
 
 TOP = 2**63 - 1
@@ -161,34 +158,6 @@ def _ids(step, rank):
     return torch.unique(POOL[step * 10 + torch.randint(0, 40, (16,), generator=g)])
 
 
-class _Shards:
-    """Two shards on fixed ports checkpointing into tmp; shard i can crash (its server stopped at once, nothing
-    flushed) and come back restored from its latest checkpoint."""
-
-    def __init__(self, tmp):
-        self.tmp, self.ports = tmp, [free_port(), free_port()]
-        self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
-        self.shards, self.servers, self.cks = [None, None], [None, None], [None, None]
-        for i in range(2):
-            self.start(i, Shard(i, 2))
-
-    def start(self, i, shard):
-        self.shards[i], self.cks[i] = shard, Checkpointer(shard, str(self.tmp / f"s{i}"))
-        self.servers[i], _ = start_server(shard, "127.0.0.1", self.ports[i])
-
-    def crash_and_restore(self, i):
-        self.servers[i].stop(grace=None).wait()
-        shard = Shard(i, 2)
-        assert restore_latest(shard, str(self.tmp / f"s{i}")) is not None
-        restored = shard.embedding.table("d").state_dict()
-        self.start(i, shard)
-        return restored
-
-    def stop(self):
-        for s in self.servers:
-            s.stop(grace=None)
-
-
 def _train(tmp, steps, hooks=None):
     """2 workers, bsp: both pull their step's ids, then both push; returns the shards' tables at the end."""
     hooks = hooks or {}
@@ -238,7 +207,10 @@ def test_dynamic_rows_survive_a_shard_crash_and_restore_exactly(tmp_path):
         seen["ckpt"] = sh.shards[0].embedding.table("d").state_dict()
 
     def at6(sh):
-        seen["restored"] = sh.crash_and_restore(0)
+        sh.crash(0)
+        shard = sh.restored(0)
+        seen["restored"] = shard.embedding.table("d").state_dict()     # read before it serves (and replays)
+        sh.start(0, shard)
         seen["version"] = _wait_version(sh.shards[0], 6)                # replayed by the sessions
     got, tables, cls = _train(tmp_path / "crash", 9, {4: at4, 6: at6})
     ck = seen["ckpt"]
