@@ -45,8 +45,20 @@ def server_proc(i, port, log, *flags):
                                        "--num-shards", "2", *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def worker_proc(r, addrs, tmp, log, *flags):
-    return subprocess.Popen(DELTAPS + ["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", "2",
+def start_shards(procs, *flags):
+    """Two `deltaps server` processes on free loopback ports (procs: the test's Procs), up; their addresses."""
+    from deltaps.tools.launch import free_port
+    ports = [free_port(), free_port()]
+    for i in range(2):
+        procs.add(server_proc(i, ports[i], procs.log(f"server{i}"), *flags))
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    for a in addrs:
+        wait_up(a)
+    return addrs
+
+
+def worker_proc(r, addrs, tmp, log, *flags, world=2):
+    return subprocess.Popen(DELTAPS + ["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", str(world),
                                        "--config", CONFIG, "--no-progress", "--result-json", str(tmp / f"w{r}.json"),
                                        *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import DELTAPS, ROOT, Procs, client, named, server_proc, stats, wait_up, wait_version, worker_proc
+from helpers import DELTAPS, ROOT, Procs, client, named, server_proc, start_shards, stats, wait_up, wait_version, worker_proc
 
 from deltaps.tools.launch import free_port
 from ps.durability import restore_latest
@@ -105,12 +105,7 @@ def test_kill9_a_shard_of_a_local_update_job_resumes_the_outer_momentum(procs, t
 
 def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
     timeout, steps = 2.0, 4000   # enough steps that the job still runs when the killed worker is back
-    ports = [free_port(), free_port()]
-    addrs = [f"127.0.0.1:{p}" for p in ports]
-    for i in range(2):
-        procs.add(server_proc(i, ports[i], procs.log(f"server{i}"), "--worker-timeout", str(timeout)))
-    for a in addrs:
-        wait_up(a)
+    addrs = start_shards(procs, "--worker-timeout", str(timeout))
     workers = [procs.add(worker_proc(r, addrs, tmp_path, procs.log(f"worker{r}"), "--steps", str(steps)))
                for r in range(2)]
     before = wait_version(addrs[0], 100)     # (a worker slower to start than the timeout may have been

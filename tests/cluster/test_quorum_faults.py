@@ -6,30 +6,19 @@ import subprocess
 import time
 
 import pytest
-from helpers import CONFIG, DELTAPS, ROOT, server_proc, stats, wait_up, wait_version
-
-from deltaps.tools.launch import free_port
+from helpers import CONFIG, DELTAPS, ROOT, start_shards, stats, wait_version, worker_proc
 
 pytestmark = pytest.mark.slow
 WORLD, EVICT_S = 3, 12
 
 
-def _worker(r, addrs, tmp, log):
-    return subprocess.Popen(DELTAPS + ["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size",
-                                       str(WORLD), "--config", CONFIG, "--no-progress", "--steps", "640",
-                                       "--local-steps", "8", "--sync", "quorum:2:grace=0.1s",
-                                       "--result-json", str(tmp / f"w{r}.json")],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+QUORUM = ("--steps", "640", "--local-steps", "8", "--sync", "quorum:2:grace=0.1s")
 
 
 def test_a_killed_worker_does_not_stall_the_rounds(procs, tmp_path):
-    ports = [free_port(), free_port()]
-    addrs = [f"127.0.0.1:{p}" for p in ports]
-    for i in range(2):
-        procs.add(server_proc(i, ports[i], procs.log(f"server{i}"), "--worker-timeout", str(EVICT_S)))
-    for a in addrs:
-        wait_up(a)
-    workers = [procs.add(_worker(r, addrs, tmp_path, procs.log(f"worker{r}"))) for r in range(WORLD)]
+    addrs = start_shards(procs, "--worker-timeout", str(EVICT_S))
+    workers = [procs.add(worker_proc(r, addrs, tmp_path, procs.log(f"worker{r}"), *QUORUM, world=WORLD))
+               for r in range(WORLD)]
     wait_version(addrs[0], 3)
     workers[2].send_signal(signal.SIGKILL)
     workers[2].wait(10)
