@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PROTO_SRC := protos/deltaps.proto
 PROTO_OUT := protos/deltaps_pb2.py protos/deltaps_pb2_grpc.py
 
-.PHONY: setup demo test test-unit lint bench bench-peers bench-peers-quick bench-faults proto clean prometheus kubectl advise-validate gpu-check FORCE
+.PHONY: setup demo test test-unit lint bench bench-peers bench-peers-quick bench-faults bench-ctr proto clean prometheus kubectl advise-validate gpu-check FORCE
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,peers]'
+	$(BIN)/pip install -q -e '.[dev,peers,recsys]'
+	$(BIN)/pip install -q --no-deps torchrec==1.8.0    # see the recsys extra in pyproject.toml
 	touch $(STAMP)
 
 # the one protoc recipe (protos/build.py; the Dockerfiles and the first import of `protos` run it too)
@@ -109,6 +110,16 @@ FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 \
 bench-faults: bench-faults-straggler.json bench-faults-kills.json
 bench-faults-%.json: setup FORCE
 	$(RACE) --bandwidth 100mbit $(FAULTS_$*) --json $@ --plot $(@:.json=.png)
+
+# The embedding race (docs/hybrid.md#the-torchrec-race): ctr (1M x 64 table, Adagrad), 4 workers, 2 shards,
+# RACE_SEEDS seeds, to test AUC 0.875 (evaluated every 10 steps), the AUC also compared at step 320; the peers:
+# TorchRec's DistributedModelParallel and DDP with sparse tables, their dense parts in fp32 or through fp16.
+CTR_RACE = --workload ctr --servers 2 --batch-size 256 --hidden 256 --target-auc 0.875 --steps 600 --eval-every 10 \
+	--common-step 320 --seeds $(RACE_SEEDS) --time-cap 3
+CTR_MODES ?= ddp:sparse:fp16,torchrec,torchrec:fp16,hybrid,hybrid:fp16
+bench-ctr: bench-ctr-1gbit.json bench-ctr-100mbit.json
+bench-ctr-%.json: setup FORCE
+	$(BIN)/deltaps bench compare --workers 4 $(CTR_RACE) --bandwidth $* --modes $(CTR_MODES) --json $@ --plot $(@:.json=.png)
 
 # the race in a few minutes: one seed, clf, 100 Mbit/s, fp32 DDP, the best DDP hook and torchft peers, the best deltaps modes
 bench-peers-quick: setup

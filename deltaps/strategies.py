@@ -23,6 +23,8 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
                                         quorum's minimum (default every worker), timeout: its Manager / gloo
                                         timeout in seconds (default the job's --timeout)
   torchft:localsgd:sync=H               torchft's LocalSGD (the models averaged every H steps)
+  torchrec[:fp16|bf16]                  the embedding peer: TorchRec's DistributedModelParallel (--workload ctr),
+                                        its dense DDP part optionally through the fp16 / bf16 hook
 <outer> (local-update specs, any order among the parameters): outer=avg|sgd|nesterov, outer_lr=x,
 outer_momentum=m — this mode's outer optimizer (--outer-optimizer / --outer-lr / --outer-momentum), else the
 job's: ps-local32:int8:outer=avg, torchft:diloco:sync=32:outer_lr=0.7:outer_momentum=0.9.
@@ -50,14 +52,14 @@ from deltaps.sync import parse_sync
 __all__ = ["MODES", "FAMILIES", "MODE_FORMS", "HOOK_FORMS", "ModeSpec", "parse_mode_spec", "split_mode_specs",
            "ps_codecs", "HookSpec", "parse_ddp_hook", "POWERSGD_START", "LOCALSGD_START"]
 
-MODES = ("ps", "allreduce", "hybrid", "pipeline", "torchft")     # TrainConfig.mode: the bare training modes
-FAMILIES = ("ddp", "ps", "hybrid", "torchft")         # what a mode spec names (bench compare runs these)
-PEER_FAMILIES = ("ddp", "torchft")                    # what users run instead of deltaps: the race's peers
+MODES = ("ps", "allreduce", "hybrid", "pipeline", "torchft", "torchrec")     # TrainConfig.mode: the bare training modes
+FAMILIES = ("ddp", "ps", "hybrid", "torchft", "torchrec")       # what a mode spec names (bench compare runs these)
+PEER_FAMILIES = ("ddp", "torchft", "torchrec")                  # what users run instead of deltaps: the race's peers
 HALF_HOOKS = ("fp16", "bf16")                         # the hooks ddp:sparse's and hybrid's dense buckets take
 MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-asp:<codec>, "
               "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>[:grace=G][:outer=..], hybrid[:fp16|bf16], "
               "torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:outer=..] "
-              "or torchft:localsgd:sync=H")
+              "or torchft:localsgd:sync=H, torchrec[:fp16|bf16]")
 TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps",
                 "min_replicas": "min_replicas"}
 OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"}
@@ -73,7 +75,7 @@ HOOK_FORMS = "none, fp16, bf16, powersgd:rank=R[:start=S][:impl=auto|torch|delta
 
 @dataclass(frozen=True)
 class ModeSpec:
-    family: str                          # ddp | ps | hybrid
+    family: str                          # FAMILIES
     sync: str = "bsp"                    # ps: bsp | asp | quorum:Q:grace=G (ps-local<H>q<Q>)
     codec: str = "none"                  # ps: the codec spec, as written (compression/)
     local_steps: int | None = None       # ps-local<H>: inner steps per PS round (None: not a local-update mode)
@@ -103,8 +105,8 @@ class ModeSpec:
         hook = {"ddp_hook": self.ddp_hook} if self.ddp_hook else {}
         if self.family == "ddp":
             return {"mode": "allreduce", **({"sparse_embeddings": True} if self.sparse_embeddings else {}), **hook}
-        if self.family == "hybrid":
-            return {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", **hook}
+        if self.family in ("hybrid", "torchrec"):
+            return {"mode": self.family, "sync": "bsp", "codec": "none", "workload": "ctr", **hook}
         if self.family == "torchft":
             extra = {k: v for k, v in (("torchft_alpha", self.fragment_alpha), ("torchft_wire", self.wire_dtype),
                                        ("torchft_min_replicas", self.min_replicas), ("torchft_timeout_s", self.ft_timeout_s))
@@ -122,8 +124,8 @@ class ModeSpec:
         hook = f":{self.ddp_hook}" if self.ddp_hook else ""
         if self.family == "ddp":
             return f"ddp:sparse{hook}" if self.sparse_embeddings else f"ddp{hook}" if hook else "allreduce"
-        if self.family == "hybrid":
-            return f"hybrid{hook}"
+        if self.family in ("hybrid", "torchrec"):
+            return f"{self.family}{hook}"
         if self.family == "torchft":
             extra = "".join(f":{k}={v}" for k, v in (("fragments", self.stream_fragments), ("delay", self.overlap_steps))
                             if v and (k != "fragments" or v != 1))
@@ -161,10 +163,10 @@ def parse_mode_spec(text: str) -> ModeSpec:
         codec, sync = _quorum_sync(local[4], codec, text)
         return ModeSpec("ps", sync=sync, codec=codec or "none", local_steps=int(local[1]), stream_fragments=int(local[2] or 1),
                         overlap_steps=int(local[3]) if local[3] else None, text=text, **outer)
-    if head == "hybrid":
+    if head in ("hybrid", "torchrec"):
         if arg not in ("", *HALF_HOOKS):
-            raise ValueError(f"mode {text!r}: hybrid takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
-        return ModeSpec("hybrid", ddp_hook=arg or None, text=text)
+            raise ValueError(f"mode {text!r}: {head} takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
+        return ModeSpec(head, ddp_hook=arg or None, text=text)
     if head == "torchft":
         return _torchft_spec(arg, text)
     raise ValueError(f"unknown mode spec {text!r}; use {MODE_FORMS}")

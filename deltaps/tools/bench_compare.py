@@ -238,7 +238,7 @@ def compare(args) -> dict:
     if len(set(specs)) != len(specs):
         raise ValueError("duplicate mode specs")
     if args.workload is None:
-        ctr = any(m.family == "hybrid" or m.sparse_embeddings for m in map(parse_mode_spec, specs))
+        ctr = any(m.family in ("hybrid", "torchrec") or m.sparse_embeddings for m in map(parse_mode_spec, specs))
         args.workload = "ctr" if ctr else "mlp"
     if args.hidden is None:
         args.hidden = CLF_HIDDEN if args.workload == "clf" else 2048

@@ -37,6 +37,11 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
         r0 = results[0]
         out.update({k: r0[k] for k in ("final_test_auc", "final_test_loss", "oracle_auc", "oracle_loss")})
         out["losses_rank0"] = r0["losses"]
+        # memory: the table on the shards (hybrid) and the largest worker process (every mode)
+        shards = next((r["server_stats"] for r in results if r.get("server_stats")), None) or []
+        out["shard_table_bytes"] = sum(s.get("bytes", 0) for s in shards)
+        out["shard_rows_held"] = sum(t.get("rows_held", 0) for s in shards for t in s.get("tables", {}).values())
+        out["worker_peak_rss_bytes"] = max(r.get("peak_rss_bytes", 0) for r in results)
         for k in ("sparse_bytes_pushed", "sparse_bytes_pulled", "dense_ring_bytes", "rows_pushed"):
             if k in r0:
                 out[k + "_per_step"] = sum(r[k] for r in results) / W / steps
@@ -51,7 +56,7 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
         # measured on each worker's veth for the whole run (setup, final pull and TCP/IP overhead included)
         out["veth_tx_bytes_per_step"] = tx / steps
         out["veth_rx_bytes_per_step"] = rx / steps
-    if cfg.mode in ("allreduce", "hybrid") and cfg.workload == "ctr":
+    if cfg.mode in ("allreduce", "hybrid", "torchrec") and cfg.workload == "ctr":
         out["timing_method"] = results[0].get("timing_method")
     elif cfg.mode == "allreduce":
         out["timing_method"] = results[0].get("timing_method")

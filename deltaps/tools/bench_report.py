@@ -357,8 +357,8 @@ def format_table_ctr(report: dict) -> str:
     # + speed-ups against the embedding model's fair DDP peer, ddp:sparse (nn.Embedding(sparse=True)), if it ran;
     # with a --target-auc the time-to-target columns lead (the best peer is then the fastest ddp* mode to it)
     ref, timed = ddp_sparse_run(report), bool(report.get("target"))
-    cols = ["mode", *(TIME_COLS if timed else []), *STEP_COLS, "test AUC", "test logloss",
-            "max |Δloss| vs AR", "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
+    cols = ["mode", *(TIME_COLS if timed else []), *STEP_COLS, "test AUC", "test logloss", "table on shards",
+            "worker RSS", "max |Δloss| vs AR", "speed-up vs AR"] + ["speed-up vs ddp:sparse"] * bool(ref)
     rows = []
     for spec, m in report["modes"].items():
         if not measured(m):
@@ -367,6 +367,7 @@ def format_table_ctr(report: dict) -> str:
         sp, dl = m.get("speedup_vs_allreduce"), m.get("loss_curve_max_abs_diff_vs_allreduce")
         rows.append([spec, *(time_cells(m) if timed else []), *step_cells(m),
                      f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
-                     "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
+                     fmt_bytes(m["shard_table_bytes"]) if m.get("shard_table_bytes") else "—",
+                     fmt_bytes(m.get("worker_peak_rss_bytes", 0)), "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
                     + ([f"x{ref['median_step_s'] / m['median_step_s']:.2f}"] if ref else []))
     return "\n".join([table(cols, rows)] + ([time_note(report)] if timed else []))

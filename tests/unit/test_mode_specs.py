@@ -59,6 +59,8 @@ EXPECTED = {   # what bench compare's parse_mode returned before the grammar mov
     "hybrid": {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr"},
     "hybrid:fp16": {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", "ddp_hook": "fp16"},
     "hybrid:bf16": {"mode": "hybrid", "sync": "bsp", "codec": "none", "workload": "ctr", "ddp_hook": "bf16"},
+    "torchrec": {"mode": "torchrec", "sync": "bsp", "codec": "none", "workload": "ctr"},
+    "torchrec:fp16": {"mode": "torchrec", "sync": "bsp", "codec": "none", "workload": "ctr", "ddp_hook": "fp16"},
     "torchft:diloco:sync=32": {"mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco", "local_steps": 32,
                                "stream_fragments": 1, "overlap_steps": 0},
     "torchft:diloco:sync=32:fragments=4:delay=4": {"mode": "torchft", "sync": "bsp", "torchft_algorithm": "diloco",
@@ -112,6 +114,7 @@ BAD = {   # spec -> what the message says besides the spec itself
     "ddp:sparse,fp16": "sparse is not a DDP comm hook",
     "hybrid:int8": "hybrid takes fp16 or bf16",
     "hybrid:FP16": "hybrid takes fp16 or bf16",
+    "torchrec:rowwise": "torchrec takes fp16 or bf16",
     "ps:int8:outer=avg": "need a local-update mode",
     "ps-local8:int8:outer=adam": "outer must be avg, sgd or nesterov",
     "ps-local8:int8:outer_lr=fast": "outer_lr must be a number",
@@ -140,7 +143,7 @@ def test_every_accepted_form_gives_the_same_overrides():
         if "ddp_hook" in got:                       # canonical hook specs parse to themselves
             assert str(parse_ddp_hook(got["ddp_hook"])) == got["ddp_hook"]
         spec = parse_mode_spec(text)
-        assert spec.text == text and spec.family in ("ddp", "ps", "hybrid", "torchft")
+        assert spec.text == text and spec.family in ("ddp", "ps", "hybrid", "torchft", "torchrec")
         again = parse_mode_spec(str(spec))         # the canonical spelling names the same mode
         assert again == spec and again.overrides() == want, (text, str(spec))
     assert str(parse_mode_spec("ddp")) == "allreduce" and str(parse_mode_spec("ps")) == "ps:none"

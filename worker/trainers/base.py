@@ -102,10 +102,9 @@ def adopt_server_params(opt, flush: bool = True) -> None:
     opt.load(opt.client.pull(min_version=0))
 
 
-def save_model(cfg: TrainConfig, rank: int, model) -> None:
+def save_model(cfg: TrainConfig, rank: int, state: dict) -> None:
     """--save-model: rank 0 writes the model's state_dict (moved to CPU if it lives on a GPU)."""
     if cfg.save_model and rank == 0:
-        state = model.state_dict()
         if any(v.device.type != "cpu" for v in state.values()):
             state = {k: v.cpu() for k, v in state.items()}
         torch.save(state, cfg.save_model)

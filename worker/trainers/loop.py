@@ -9,6 +9,7 @@ model, result -> report (server stats, barriers) -> close, whatever happened.
 from __future__ import annotations
 
 import logging
+import resource
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,10 @@ def train(cfg, ctx: RunContext) -> dict:
         _steps(strategy, run, ctx, slow)
         fields = strategy.finish(run)
         evaluation = workload.evaluate(strategy.model)
-        save_model(cfg, ctx.rank, strategy.model)
-        fields["extras"] = {"device": str(strategy.device), **workload.result_extras(evaluation),
+        if cfg.save_model:
+            save_model(cfg, ctx.rank, strategy.model_state())
+        fields["extras"] = {"device": str(strategy.device), "peak_rss_bytes": peak_rss_bytes(),
+                            **workload.result_extras(evaluation),
                             **run.straggler_extras(slow), **fields.get("extras", {})}
         result = run.result(final_test_accuracy=evaluation["test_accuracy"],
                             model_params=workload.logical_params(strategy.model), **fields)
@@ -62,3 +65,8 @@ def _steps(strategy, run: RunRecorder, ctx: RunContext, slow: float = 1.0) -> No
         if ctx.metrics is not None and out.loss is not None:
             ctx.metrics.on_step(step_s, out.loss, len(batch[1]))
         run.evaluate(lambda: strategy.evaluate(step), synced=strategy.synced)
+
+
+def peak_rss_bytes() -> int:
+    """This worker process' peak resident memory (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

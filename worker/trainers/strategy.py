@@ -11,7 +11,7 @@ Contract (one instance per worker run, driven by worker/trainers/loop.py):
 * `synced` — every rank holds the same model now (evaluations that may stop the job wait for it);
 * `evaluate(step)` — the workload's evaluation of the global model after `step` (off the clock);
 * `finish(run) -> dict` — after the last step: bring `self.model` to the job's final model and return the
-  RunResult fields the mode reports (bytes, codec, extras, samples);
+  RunResult fields the mode reports (bytes, codec, extras, samples); `model_state()` — its state_dict;
 * `report(result)` — end-of-job exchanges that need the result (server stats, barriers); `close()`.
 Strategies register themselves (`@register`), as codecs do; the loop imports none of them.
 """
@@ -29,7 +29,7 @@ from worker.workloads.base import Workload
 
 # the built-in strategies register themselves on import (loaded on first lookup, as compression's codecs)
 BUILTIN = ("worker.trainers.ps", "worker.trainers.allreduce", "worker.trainers.hybrid", "worker.trainers.pipeline",
-           "worker.trainers.torchft_peer")
+           "worker.trainers.torchft_peer", "worker.trainers.torchrec_peer")
 STRATEGIES = Registry("mode", BUILTIN)
 register = STRATEGIES.register
 available_strategies = STRATEGIES.names
@@ -139,6 +139,11 @@ class Strategy:
 
     def finish(self, run) -> dict:
         return {}
+
+    def model_state(self) -> dict:
+        """The final model's state_dict as the workload's model names it (--save-model; called on every rank:
+        a strategy whose model is sharded gathers it here)."""
+        return self.model.state_dict()
 
     def report(self, result) -> None:
         pass
