@@ -368,6 +368,7 @@ def format_table_ctr(report: dict) -> str:
         rows.append([spec, *(time_cells(m) if timed else []), *step_cells(m),
                      f"{m['final_test_auc']:.4f}", f"{m['final_test_loss']:.4f}",
                      fmt_bytes(m["shard_table_bytes"]) if m.get("shard_table_bytes") else "—",
-                     fmt_bytes(m.get("worker_peak_rss_bytes", 0)), "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
+                     fmt_bytes(m.get("worker_peak_rss_bytes", 0)),
+                     "—" if dl is None else f"{dl:.2e}", "—" if sp is None else f"x{sp:.2f}"]
                     + ([f"x{ref['median_step_s'] / m['median_step_s']:.2f}"] if ref else []))
     return "\n".join([table(cols, rows)] + ([time_note(report)] if timed else []))
