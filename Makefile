@@ -116,7 +116,7 @@ bench-faults-%.json: setup FORCE
 # TorchRec's DistributedModelParallel and DDP with sparse tables, their dense parts in fp32 or through fp16.
 CTR_RACE = --workload ctr --servers 2 --batch-size 256 --hidden 256 --target-auc 0.875 --steps 600 --eval-every 10 \
 	--common-step 320 --seeds $(RACE_SEEDS) --time-cap 3
-CTR_MODES ?= ddp:sparse:fp16,torchrec,torchrec:fp16,hybrid,hybrid:fp16
+CTR_MODES ?= ddp:sparse:fp16,torchrec,torchrec:fp16,torchrec:fp16:sharding=column_wise,hybrid,hybrid:fp16
 bench-ctr: bench-ctr-1gbit.json bench-ctr-100mbit.json
 bench-ctr-%.json: setup FORCE
 	$(BIN)/deltaps bench compare --workers 4 $(CTR_RACE) --bandwidth $* --modes $(CTR_MODES) --json $@ --plot $(@:.json=.png)

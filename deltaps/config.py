@@ -188,10 +188,31 @@ class TrainConfig:
         "embedding table optimizer: sgd, adagrad or adam (row-wise lazy on the PS)")
     embedding_lr: float = option(0.05, "embedding table learning rate")
     zipf_a: float = option(1.1, "ctr workload: Zipf exponent of the ids")
+    id_drift: float = option(
+        0.0,
+        "ctr workload: a drifting id stream — every --drift-every steps this share of each field's ids is replaced "
+        "by new ids (new users and items; the test set follows the current ids); 0 = the same ids throughout")
+    drift_every: int = option(100, "ctr workload with --id-drift: steps per id epoch")
+    embedding_dynamic: bool = option(
+        False,
+        "hybrid mode: the table has no row count (ps/embedding/dynamic.py): rows are made on the shards at first "
+        "touch, ids hashed to shards; a fixed table is sized for every id the run draws")
+    embedding_ttl_steps: int = option(
+        0, "dynamic table: evict a row untouched for this many table steps (0 = never)")
+    embedding_min_count: int = option(
+        0, "dynamic table: frequency filter, make a row only at its Nth sighting (0 or 1 = the first)")
     sparse_embeddings: bool = option(
         False,
         "allreduce mode, ctr workload: nn.Embedding(sparse=True) tables, their sparse gradients reduced by DDP over "
         "gloo and stepped by a sparse optimizer (bench compare's ddp:sparse; SparseAdam for adam)")
+    torchrec_sharding: str = option(
+        "auto",
+        "--mode torchrec: how TorchRec's planner shards the tables — auto (its own choice) or the type it must use: "
+        "table_wise, column_wise, table_column_wise (TorchRec 1.8 shards CPU tables no other way)")
+    worker_memory_limit: str = option(
+        "",
+        "the worker caps its own address space (RLIMIT_AS) at this size, e.g. 3GiB, before it builds the model: a "
+        "model that does not fit fails with a clear error instead of taking the host down; empty = no limit")
     # ---- pipeline parallelism (worker/trainers/pipeline.py, docs/hybrid.md) ----
     pipeline_stages: int = option(2, "pipeline mode: stages per pipeline replica (workers must be a multiple of it)")
     microbatches: int = option(4, "pipeline mode: micro-batches per step (must divide --batch-size)")
@@ -205,6 +226,9 @@ class TrainConfig:
         parse_sync(self.sync)
         if self.device not in DEVICES:
             raise ValueError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
+        if self.worker_memory_limit:
+            if parse_bytes(self.worker_memory_limit) < 1 << 28:     # below 256 MiB not even torch imports
+                raise ValueError(f"--worker-memory-limit {self.worker_memory_limit} is below 256MiB")
         self._validate_eval()
         self.straggler_of(0)
         if self.optimizer not in ("sgd", "adam"):

@@ -13,8 +13,11 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
                                         PS local updates: --local-steps H, --stream-fragments F, --overlap-steps
                                         tau (docs/local-updates.md), the deltas through the codec; q<Q>: quorum
                                         rounds, --sync quorum:Q[:grace=G][:late=equal|discount]
-  hybrid[:fp16|bf16]                    embeddings row-sparse on the PS, the dense part allreduced (--workload
-                                        ctr), optionally through the fp16 / bf16 hook
+  hybrid[:fp16|bf16][:dynamic[:ttl=N][:min_count=M]]
+                                        embeddings row-sparse on the PS, the dense part allreduced (--workload
+                                        ctr), optionally through the fp16 / bf16 hook; dynamic: tables without a
+                                        row count (--embedding-dynamic), rows evicted after N idle table steps
+                                        (--embedding-ttl-steps), made at their Mth sighting (--embedding-min-count)
   torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:min_replicas=N][:timeout=S][:<outer>]
                                         the peer: torchft's own DiLoCo (F > 1: Streaming DiLoCo, fragment delay
                                         tau, default 0; alpha: its fragment_update_alpha, default 0; wire: the
@@ -23,8 +26,9 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
                                         quorum's minimum (default every worker), timeout: its Manager / gloo
                                         timeout in seconds (default the job's --timeout)
   torchft:localsgd:sync=H               torchft's LocalSGD (the models averaged every H steps)
-  torchrec[:fp16|bf16]                  the embedding peer: TorchRec's DistributedModelParallel (--workload ctr),
-                                        its dense DDP part optionally through the fp16 / bf16 hook
+  torchrec[:fp16|bf16][:sharding=S]     the embedding peer: TorchRec's DistributedModelParallel (--workload ctr),
+                                        its dense DDP part optionally through the fp16 / bf16 hook; S: the
+                                        sharding its planner must use (--torchrec-sharding; default its choice)
 <outer> (local-update specs, any order among the parameters): outer=avg|sgd|nesterov, outer_lr=x,
 outer_momentum=m — this mode's outer optimizer (--outer-optimizer / --outer-lr / --outer-momentum), else the
 job's: ps-local32:int8:outer=avg, torchft:diloco:sync=32:outer_lr=0.7:outer_momentum=0.9.
@@ -50,20 +54,21 @@ from dataclasses import dataclass, field
 from deltaps.sync import parse_sync
 
 __all__ = ["MODES", "FAMILIES", "MODE_FORMS", "HOOK_FORMS", "ModeSpec", "parse_mode_spec", "split_mode_specs",
-           "ps_codecs", "HookSpec", "parse_ddp_hook", "POWERSGD_START", "LOCALSGD_START"]
+           "ps_codecs", "HookSpec", "parse_ddp_hook", "POWERSGD_START", "LOCALSGD_START", "TORCHREC_SHARDINGS"]
 
 MODES = ("ps", "allreduce", "hybrid", "pipeline", "torchft", "torchrec")     # TrainConfig.mode: the bare training modes
 FAMILIES = ("ddp", "ps", "hybrid", "torchft", "torchrec")       # what a mode spec names (bench compare runs these)
 PEER_FAMILIES = ("ddp", "torchft", "torchrec")                  # what users run instead of deltaps: the race's peers
 HALF_HOOKS = ("fp16", "bf16")                         # the hooks ddp:sparse's and hybrid's dense buckets take
 MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-asp:<codec>, "
-              "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>[:grace=G][:outer=..], hybrid[:fp16|bf16], "
+              "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>[:grace=G][:outer=..], hybrid[:fp16|bf16][:dynamic[:ttl=N][:min_count=M]], "
               "torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:outer=..] "
               "or torchft:localsgd:sync=H, torchrec[:fp16|bf16]")
 TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps",
                 "min_replicas": "min_replicas"}
 OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"}
 OUTER_ITEM = re.compile(r"(?:^|[:,])(outer(?:_lr|_momentum)?)=([^:,]*)")
+TORCHREC_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")   # torchrec:sharding= (CPU: no row-wise)
 WIRE_DTYPES = ("fp32", "fp16", "bf16")     # torchft:diloco's wire=: the dtype its pseudo-gradients are allreduced in
 LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?(?:q(\d+))?")
 QUORUM_ITEM = re.compile(r"(?:^|[:,])(grace|late)=([^:,]*)")
@@ -91,6 +96,10 @@ class ModeSpec:
     wire_dtype: str | None = None        # torchft:diloco wire= (None: fp32)
     min_replicas: int | None = None      # torchft min_replicas= (None: every worker)
     ft_timeout_s: float | None = None    # torchft timeout= seconds (None: the job's --timeout)
+    dynamic_table: bool = False          # hybrid:dynamic
+    sharding: str | None = None          # torchrec:sharding=S (None: the planner's choice)
+    ttl_steps: int = 0                   # hybrid:dynamic:ttl=N
+    min_count: int = 0                   # hybrid:dynamic:min_count=M
     text: str = field(default="", compare=False)     # the spec as written
 
     def outer_overrides(self) -> dict:
@@ -106,7 +115,10 @@ class ModeSpec:
         if self.family == "ddp":
             return {"mode": "allreduce", **({"sparse_embeddings": True} if self.sparse_embeddings else {}), **hook}
         if self.family in ("hybrid", "torchrec"):
-            return {"mode": self.family, "sync": "bsp", "codec": "none", "workload": "ctr", **hook}
+            table = {"embedding_dynamic": True, "embedding_ttl_steps": self.ttl_steps,
+                     "embedding_min_count": self.min_count} if self.dynamic_table else {}
+            table.update({"torchrec_sharding": self.sharding} if self.sharding else {})
+            return {"mode": self.family, "sync": "bsp", "codec": "none", "workload": "ctr", **hook, **table}
         if self.family == "torchft":
             extra = {k: v for k, v in (("torchft_alpha", self.fragment_alpha), ("torchft_wire", self.wire_dtype),
                                        ("torchft_min_replicas", self.min_replicas), ("torchft_timeout_s", self.ft_timeout_s))
@@ -125,7 +137,9 @@ class ModeSpec:
         if self.family == "ddp":
             return f"ddp:sparse{hook}" if self.sparse_embeddings else f"ddp{hook}" if hook else "allreduce"
         if self.family in ("hybrid", "torchrec"):
-            return f"{self.family}{hook}"
+            table = ":dynamic" * self.dynamic_table + f":ttl={self.ttl_steps}" * bool(self.ttl_steps) \
+                + f":min_count={self.min_count}" * bool(self.min_count) + f":sharding={self.sharding}" * bool(self.sharding)
+            return f"{self.family}{hook}{table}"
         if self.family == "torchft":
             extra = "".join(f":{k}={v}" for k, v in (("fragments", self.stream_fragments), ("delay", self.overlap_steps))
                             if v and (k != "fragments" or v != 1))
@@ -163,10 +177,16 @@ def parse_mode_spec(text: str) -> ModeSpec:
         codec, sync = _quorum_sync(local[4], codec, text)
         return ModeSpec("ps", sync=sync, codec=codec or "none", local_steps=int(local[1]), stream_fragments=int(local[2] or 1),
                         overlap_steps=int(local[3]) if local[3] else None, text=text, **outer)
-    if head in ("hybrid", "torchrec"):
-        if arg not in ("", *HALF_HOOKS):
-            raise ValueError(f"mode {text!r}: {head} takes fp16 or bf16 (a DDP hook for its dense part) or nothing")
-        return ModeSpec(head, ddp_hook=arg or None, text=text)
+    if head == "torchrec":
+        items = [i for i in arg.split(":") if i]
+        hook = items.pop(0) if items and items[0] in HALF_HOOKS else None
+        sharding = items.pop(0).partition("=")[2] if items and items[0].startswith("sharding=") else None
+        if items or (sharding is not None and sharding not in TORCHREC_SHARDINGS):
+            raise ValueError(f"mode {text!r}: torchrec takes fp16 or bf16 (a DDP hook for its dense part), then "
+                             f"sharding={'|'.join(TORCHREC_SHARDINGS)}")
+        return ModeSpec(head, ddp_hook=hook, sharding=sharding, text=text)
+    if head == "hybrid":
+        return _hybrid_spec(arg, text)
     if head == "torchft":
         return _torchft_spec(arg, text)
     raise ValueError(f"unknown mode spec {text!r}; use {MODE_FORMS}")
@@ -197,6 +217,25 @@ def _quorum_sync(quorum: str | None, arg: str, text: str) -> tuple[str, str]:
     except ValueError as e:
         raise ValueError(f"mode {text!r}: {e}") from None
     return QUORUM_ITEM.sub("", arg).lstrip(":,"), str(sync)
+
+
+def _hybrid_spec(arg: str, text: str) -> ModeSpec:
+    """`hybrid[:fp16|bf16][:dynamic[:ttl=N][:min_count=M]]`."""
+    items = [i for i in arg.split(":") if i]
+    hook = items.pop(0) if items and items[0] in HALF_HOOKS else None
+    table: dict = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if item == "dynamic":
+            table["dynamic_table"] = True
+        elif eq and key in ("ttl", "min_count") and value.isdigit():
+            table["ttl_steps" if key == "ttl" else "min_count"] = int(value)
+        else:
+            raise ValueError(f"mode {text!r}: hybrid takes fp16 or bf16 (a DDP hook for its dense part), then "
+                             f"dynamic[:ttl=N][:min_count=M], not {item!r}")
+    if (table.get("ttl_steps") or table.get("min_count")) and not table.get("dynamic_table"):
+        raise ValueError(f"mode {text!r}: ttl= and min_count= apply to a dynamic table (hybrid:dynamic:ttl=N)")
+    return ModeSpec("hybrid", ddp_hook=hook, text=text, **table)
 
 
 def _torchft_spec(arg: str, text: str) -> ModeSpec:

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedding-lr", type=float, default=0.05, help="ctr: table learning rate")
     p.add_argument("--zipf-a", type=float, default=1.1, help="ctr: Zipf exponent of the ids")
     p.add_argument("--ps-params", default="embedding", help="hybrid: modules on the PS (embedding or patterns)")
+    p.add_argument("--id-drift", type=float, default=0.0, help="ctr: share of the ids renewed every --drift-every steps")
+    p.add_argument("--drift-every", type=int, default=100, help="ctr with --id-drift: steps per id epoch")
+    p.add_argument("--worker-memory-limit", default="", help="every worker caps its address space (RLIMIT_AS), e.g. 3GiB")
     bench_faults.add_arguments(p)
     p.add_argument("--device", default="cpu", choices=DEVICES,
                    help="where every mode's workers train (cpu; cuda: NCCL for ddp, one GPU per worker)")
@@ -249,6 +252,7 @@ def compare(args) -> dict:
             "embedding_rows": args.embedding_rows, "embedding_dim": args.embedding_dim,
             "embedding_fields": args.embedding_fields, "embedding_optimizer": args.embedding_optimizer,
             "embedding_lr": args.embedding_lr, "zipf_a": args.zipf_a, "ps_params": args.ps_params,
+            "id_drift": args.id_drift, "drift_every": args.drift_every, "worker_memory_limit": args.worker_memory_limit,
             "eval_every": args.eval_every, "target_accuracy": args.target_accuracy, "target_auc": args.target_auc,
             "target_loss": args.target_loss, "common_step": args.common_step or 0,
             "eval_split": args.select_on,
@@ -273,7 +277,8 @@ def compare(args) -> dict:
         dense += (args.layers - 1) * (hidden * hidden + hidden) + hidden + 1
         report["model_params"] = args.embedding_rows * args.embedding_dim + dense
         report["embedding"] = {"rows": args.embedding_rows, "dim": args.embedding_dim, "fields": args.embedding_fields,
-                               "optimizer": args.embedding_optimizer, "lr": args.embedding_lr, "zipf_a": args.zipf_a}
+                               "optimizer": args.embedding_optimizer, "lr": args.embedding_lr, "zipf_a": args.zipf_a,
+                               "id_drift": args.id_drift, "drift_every": args.drift_every}
     ok, why = netns.shaping_available()
     topo = None
     if args.no_shaping or not ok:

@@ -56,6 +56,9 @@ def metric_label(report: dict) -> str:
     return metric_of(report).replace("_", " ").replace(" auc", " AUC")
 
 
+CURVE_EXTRAS = ("table_rows_live",)      # what a mode's evaluations also record (hybrid: rows on the shards)
+
+
 def eval_fields(results: list[dict]) -> dict:
     """A mode's time-to-accuracy fields from its workers' result dicts ({} when they did not evaluate).
     The curve: rank 0's accuracies (the same on every rank in the sync modes) at the largest rank's clock, over
@@ -66,8 +69,8 @@ def eval_fields(results: list[dict]) -> dict:
     all_reached = len(reached) == len(results)
     metric = metric_of(results[0])
     judges = [r for r in results if r.get("evals")] or results    # quorum rounds: rank 0 alone evaluates
-    curve = [{"step": pts[0]["step"], "time_s": max(p["time_s"] for p in pts), metric: pts[0][metric]}
-             for pts in zip(*(r["evals"] for r in judges))]
+    curve = [{"step": pts[0]["step"], "time_s": max(p["time_s"] for p in pts), metric: pts[0][metric],
+              **{k: pts[0][k] for k in CURVE_EXTRAS if k in pts[0]}} for pts in zip(*(r["evals"] for r in judges))]
     return {"time_to_target_s": max(reached) if all_reached else None,
             "steps_to_target": results[0].get("steps_to_target") if all_reached else None,
             "evals": curve, "eval_s": max(r.get("eval_s", 0.0) for r in results)}

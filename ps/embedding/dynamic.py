@@ -32,7 +32,7 @@ import torch
 
 from deltaps.embedding import STATE_TENSORS, TableSpec, init_rows, shard_of
 from deltaps.errors import EmbeddingError
-from ps.embedding.table import ShardTable
+from ps.embedding.table import ShardTable, peek_rows
 
 INT64_MIN = -(1 << 63)
 MAX_PENDING = 1 << 20
@@ -181,6 +181,10 @@ class DynamicTable(ShardTable):
         self.filtered_pulls += int((~held).sum())
         self._count(np.unique(ids[~held].numpy()))
         return out
+
+    def peek(self, ids: torch.Tensor) -> torch.Tensor:
+        """Values of `ids` for an evaluation: nothing touched, made or counted."""
+        return peek_rows(self.spec, self.values, self.slots(ids), ids)
 
     def count_unheld(self, ids: torch.Tensor) -> None:
         """One occurrence of each id not held (a replayed push standing in for its lost pull)."""

@@ -54,7 +54,7 @@ def handle_pull(shard, req, pb):
     _check_server_id(shard, req)
     store = store_of(shard)
     reqs = [(r.table, ids_from_bytes(r.ids)) for r in req.rows]
-    values, version, waited = store.pull(req.worker_id, reqs, req.min_version, req.timeout_s)
+    values, version, waited = store.pull(req.worker_id, reqs, req.min_version, req.timeout_s, peek=req.peek)
     rows = [pb.EmbeddingRows(table=r.table, values=rows_to_bytes(v)) for r, v in zip(req.rows, values)]
     store.counters["bytes_sent"] += sum(len(r.values) for r in rows)
     return pb.SparsePullResponse(rows=rows, version=version, waited_s=waited)

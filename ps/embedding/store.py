@@ -17,7 +17,7 @@ from ps.reaper import reaper_tick, start_reaper
 
 log = logging.getLogger("deltaps.embedding")
 COUNTERS = ("pushes", "duplicates", "pulls", "rows_pulled", "rows_pushed", "rejected_exhausted", "bytes_received",
-            "bytes_sent", "evictions", "rejoins", "rows_allocated_by_replay")
+            "bytes_sent", "evictions", "rejoins", "rows_allocated_by_replay", "peeks")
 
 
 class EmbeddingStore:
@@ -148,8 +148,9 @@ class EmbeddingStore:
 
     # -- pull --
     def pull(self, worker: int, requests: list[tuple[str, torch.Tensor]], min_version: int,
-             timeout_s: float = 0.0) -> tuple[list[torch.Tensor], int, float]:
-        """Values of the requested rows (allocating missing ones), after the shard reached min_version."""
+             timeout_s: float = 0.0, peek: bool = False) -> tuple[list[torch.Tensor], int, float]:
+        """Values of the requested rows (allocating missing ones), after the shard reached min_version. peek (an
+        evaluation): the table is left as it is — missing rows are served their init value, nothing touched."""
         t0 = time.perf_counter()
         timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
         with self.cond:
@@ -161,6 +162,9 @@ class EmbeddingStore:
                 raise EmbeddingError("DEADLINE_EXCEEDED", f"shard {self.shard_id}: embedding rows still at version "
                                                           f"{self.version} < {min_version} after {timeout:.1f}s")
             waited = time.perf_counter() - t0
+            if peek:
+                self.counters["peeks"] += 1
+                return [t.peek(ids) for t, (_, ids) in zip(tables, requests)], self.version, waited
             self._allocate(tables, [ids for _, ids in requests], "pull")
             out = [t.gather(ids) for t, (_, ids) in zip(tables, requests)]
             self.counters["pulls"] += 1

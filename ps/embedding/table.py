@@ -92,6 +92,10 @@ class ShardTable:
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         return self.values.index_select(0, self.slots(ids))
 
+    def peek(self, ids: torch.Tensor) -> torch.Tensor:
+        """Values of `ids` without making rows: a row not held yet reads as its init value."""
+        return peek_rows(self.spec, self.values, self.slots(ids), ids)
+
     @torch.no_grad()
     def apply(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """One optimizer step on the rows `ids` (unique, allocated) with gradient rows `grad`."""
@@ -125,6 +129,17 @@ class ShardTable:
     def stats(self) -> dict:
         return {"rows_held": self.rows, "rows_owned": self.local_rows, "bytes": self.nbytes,
                 "optimizer": self.spec.optimizer, "rows_applied": self.rows_applied}
+
+
+def peek_rows(spec: TableSpec, values: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """values[slots], with init_rows where a slot is -1 (the row is not held)."""
+    held = slots >= 0
+    if bool(held.all()):
+        return values.index_select(0, slots)
+    out = torch.empty(ids.numel(), spec.dim)
+    out[held] = values.index_select(0, slots[held])
+    out[~held] = init_rows(spec, ids[~held].numpy())
+    return out
 
 
 def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -33,9 +33,17 @@ def test_torchrec_trains_what_ddp_with_a_dense_adagrad_table_trains(tmp_path):
     w = tr["per_worker"][0]
     assert w["final_test_auc"] == pytest.approx(ar["per_worker"][0]["final_test_auc"], abs=1e-3)
     plan = w["torchrec_plan"]["emb"]
-    assert plan["sharding"] in ("table_wise", "row_wise", "column_wise", "table_row_wise") and plan["ranks"]
+    assert plan["sharding"] in ("table_wise", "column_wise", "table_column_wise") and plan["ranks"]
     assert w["table_optimizer"] == "fused adagrad" and w["a2a_bytes_model"] > 0 and w["dense_ring_bytes"] > 0
-    assert sum(p["table_rows_held"] for p in tr["per_worker"]) == 20000     # each row on one rank
+    assert sum(p["table_values_held"] for p in tr["per_worker"]) == 20000 * 16     # each value on one rank
+
+
+def test_column_wise_sharding_cuts_the_table_over_every_rank_and_trains_the_same(tmp_path):
+    cw, cw_model = _run(tmp_path, mode="torchrec", torchrec_sharding="column_wise")
+    _, tw_model = _run(tmp_path, mode="torchrec", torchrec_sharding="table_wise")
+    assert [w["torchrec_plan"]["emb"] for w in cw["per_worker"]][0] == {"sharding": "column_wise", "ranks": [0, 1]}
+    assert [w["table_values_held"] for w in cw["per_worker"]] == [20000 * 8, 20000 * 8]
+    assert max((cw_model[k] - tw_model[k]).abs().max().item() for k in cw_model) < 1e-3
 
 
 def test_torchrec_is_a_peer_in_the_ctr_race(tmp_path, capsys):
@@ -57,6 +65,7 @@ def test_torchrec_is_a_peer_in_the_ctr_race(tmp_path, capsys):
     (dict(workload="clf"), "needs a model with embeddings"),
     (dict(sync="asp"), "synchronous"),
     (dict(ddp_hook="powersgd:rank=2"), "fp16 or bf16"),
+    (dict(torchrec_sharding="row_wise"), "use auto or table_wise"),
 ])
 def test_rules_name_the_problem(over, match):
     with pytest.raises(ValueError, match=match):

@@ -120,6 +120,34 @@ def test_frequency_filter_admits_a_row_on_its_min_count_th_pull(cluster_factory)
     c.close()
 
 
+def test_an_evaluation_s_peek_makes_touches_and_counts_nothing(cluster_factory):
+    """A peek (PSEmbedding in eval mode) reads held rows and the init value of the others; it makes no row,
+    refreshes no TTL and adds no sighting to the frequency filter — on dynamic and fixed tables alike."""
+    dyn = TableSpec("d", 0, 4, "sgd", lr=1.0, dynamic=True, ttl_steps=1, min_count=2, seed=3)
+    fixed = TableSpec("f", 1000, 4, "sgd", lr=1.0, seed=3)
+    cluster = cluster_factory(2)
+    c = EmbeddingClient(cluster.addrs, 0, 1, [dyn, fixed], timeout_s=20)
+    c.register()
+    held, new = torch.tensor([7, 2**40]), torch.tensor([TOP, 99])
+    for step in range(2):                                       # two sightings: held admitted and trained
+        c.pull_rows({"d": held, "f": held % 1000}, min_version=step)
+        c.push_rows(step, {"d": (held, torch.ones(2, 4)), "f": (held % 1000, torch.ones(2, 4))})
+    before = c.server_stats()
+    v, _ = c.pull_rows({"d": torch.cat([held, new]), "f": torch.cat([held, new]) % 1000}, min_version=2, peek=True)
+    torch.testing.assert_close(v["d"][:2], init_rows(dyn, held.numpy()) - 1.0)    # the second push applied
+    torch.testing.assert_close(v["d"][2:], init_rows(dyn, new.numpy()))
+    torch.testing.assert_close(v["f"][2:], init_rows(fixed, (new % 1000).numpy()))
+    after = c.server_stats()
+    for table in ("d", "f"):
+        assert [s["tables"][table]["rows_held"] for s in after] == [s["tables"][table]["rows_held"] for s in before]
+    assert sum(s["tables"]["d"]["pending_ids"] for s in after) == 0          # new ids were not counted
+    assert sum(s["peeks"] for s in after) == 2
+    for step in range(2, 4):                                    # the peek did not refresh the TTL: held expire
+        c.push_rows(step, {})
+    assert sum(s["tables"]["d"]["rows_held"] for s in c.server_stats()) == 0
+    c.close()
+
+
 def test_bad_ids_and_bad_specs_are_refused_clearly(cluster_factory):
     spec = TableSpec("clicks", 0, 4, dynamic=True)
     cluster = cluster_factory(2)

@@ -84,12 +84,15 @@ class EmbeddingClient:
         return max(1, self.chunk_bytes // (self.tables[table].dim * 4))
 
     # ---- pull ----------------------------------------------------------------------------
-    def pull_rows(self, ids_by_table: dict[str, torch.Tensor], min_version: int = 0) -> tuple[dict, float]:
+    def pull_rows(self, ids_by_table: dict[str, torch.Tensor], min_version: int = 0,
+                  peek: bool = False) -> tuple[dict, float]:
         """Values [len(ids), dim] per table for the given (unique) ids, from shards at >= min_version.
-        Returns (values, seconds the servers held the pull waiting for other workers)."""
-        return self.pull_rows_async(ids_by_table, min_version).result()
+        Returns (values, seconds the servers held the pull waiting for other workers). peek: an evaluation's
+        pull, which leaves the tables as they are (no rows made, touched or counted)."""
+        return self.pull_rows_async(ids_by_table, min_version, peek).result()
 
-    def pull_rows_async(self, ids_by_table: dict[str, torch.Tensor], min_version: int = 0) -> PendingPull:
+    def pull_rows_async(self, ids_by_table: dict[str, torch.Tensor], min_version: int = 0,
+                        peek: bool = False) -> PendingPull:
         """pull_rows started on the client's threads (one per shard); .result() gives what pull_rows returns."""
         per_shard = {s: [] for s in range(self.n)}       # shard -> [(table, positions, ids)]
         out = {}
@@ -115,7 +118,7 @@ class EmbeddingClient:
             batches.append(cur)
             for batch in batches:
                 req = pb.SparsePullRequest(worker_id=self.worker_id, min_version=min_version, timeout_s=self.timeout_s,
-                                           rows=[pb.EmbeddingRows(table=n, ids=ids_to_bytes(i)) for n, _, i in batch])
+                                           peek=peek, rows=[pb.EmbeddingRows(table=n, ids=ids_to_bytes(i)) for n, _, i in batch])
                 t0 = time.perf_counter()
                 rep = self.sessions[shard].pull(req, self.timeout_s + 30)
                 self.stats.add(pull_rpcs=1, pull_s=time.perf_counter() - t0,

@@ -51,7 +51,8 @@ class PSEmbedding(nn.Module):
             _, uniq, inv, rows = self._prefetched
         else:
             uniq, inv = torch.unique(ids, return_inverse=True)
-            vals, waited = self.client.pull_rows({self.table: uniq}, self.min_version)
+            # in eval mode (an evaluation) the pull leaves the table as it is: no rows made, touched or counted
+            vals, waited = self.client.pull_rows({self.table: uniq}, self.min_version, peek=not self.training)
             rows = vals[self.table]
             self.waited_s += waited
         self._prefetched = None

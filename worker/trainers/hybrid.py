@@ -50,7 +50,7 @@ def hybrid_extras(ps_modules: list[str], sparse_stats: dict, dense_ring_bytes: i
 class Hybrid(Strategy):
     collective = True
     needs_servers = True
-    takes_ddp_hook = True
+    takes_ddp_hook = dynamic_tables = True
 
     @classmethod
     def validate(cls, cfg, workload_cls) -> None:
@@ -138,7 +138,11 @@ class Hybrid(Strategy):
     def evaluate(self, step: int) -> dict:
         for e in self.embs.values():   # the table the shards hold after `step` (the evaluation pulls that version)
             e.min_version = self._min_version(step + 1)
-        return self.workload.evaluate(self.model)
+        evaluation = self.workload.evaluate(self.model)
+        if self.rank == 0:        # the table's memory over time: the rows the shards hold now
+            shards = self.client.server_stats()
+            evaluation["table_rows_live"] = sum(t["rows_held"] for s in shards for t in s["tables"].values())
+        return evaluation
 
     def finish(self, run) -> dict:
         if self.pipe is not None:

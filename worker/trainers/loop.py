@@ -14,6 +14,7 @@ import resource
 import torch
 import torch.distributed as dist
 
+from deltaps.units import parse_bytes
 from worker.trainers.base import RunRecorder, save_model
 from worker.trainers.collective import init_process_group
 from worker.trainers.context import RunContext
@@ -26,6 +27,7 @@ log = logging.getLogger("deltaps.worker")
 def train(cfg, ctx: RunContext) -> dict:
     """Run one worker of the job `cfg` describes (its mode and workload); returns RunResult.to_dict()."""
     check_job(cfg, ctx)
+    limit_memory(cfg.worker_memory_limit)
     torch.set_num_threads(1)
     workload = get_workload(cfg)
     strategy = strategy_class(cfg.mode)(cfg, ctx, workload)
@@ -70,3 +72,11 @@ def _steps(strategy, run: RunRecorder, ctx: RunContext, slow: float = 1.0) -> No
 def peak_rss_bytes() -> int:
     """This worker process' peak resident memory (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def limit_memory(size: str) -> None:
+    """--worker-memory-limit: cap this process' address space (allocations past it raise MemoryError / a torch
+    'can't allocate memory' RuntimeError, which the worker reports)."""
+    if size:
+        limit = parse_bytes(size)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))

@@ -62,6 +62,7 @@ class Strategy:
     takes_ddp_hook = False  # --ddp-hook: its DDP part runs torch's comm hooks
     local_updates = False   # --local-steps / --stream-fragments / --overlap-steps
     sparse_tables = False   # --sparse-embeddings
+    dynamic_tables = False  # --embedding-dynamic
     gpu = False             # --device cuda / auto puts its model on a GPU (else it trains on the CPU)
 
     @classmethod
@@ -74,6 +75,9 @@ class Strategy:
                              f"--ddp-hook localsgd:period=H)")
         if cfg.device == "cuda" and not cls.gpu:
             raise ValueError(f"--device cuda applies to --mode ps / allreduce; --mode {cls.name} trains on the CPU")
+        if cfg.embedding_dynamic and not cls.dynamic_tables:
+            raise ValueError(f"--embedding-dynamic: a table without a row count lives on the shards (--mode hybrid), "
+                             f"not --mode {cls.name}")
         if cfg.sparse_embeddings and not cls.sparse_tables:
             raise ValueError(f"--sparse-embeddings (ddp:sparse) needs --mode allreduce --workload ctr (a model with an "
                              f"embedding table), not --mode {cls.name} --workload {workload_cls.name}")

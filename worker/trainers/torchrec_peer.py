@@ -5,7 +5,8 @@ re-implemented here.
 The workload's model is built with 1-row placeholders for its embedding tables (as hybrid builds it); each
 nn.Embedding is swapped for `TorchRecTable`, an `EmbeddingBagCollection` of one table whose --embedding-fields
 features (one id each, sum pooling: a plain lookup) share it. `DistributedModelParallel` over the job's gloo
-group shards the tables as TorchRec's planner chooses (table-wise or row-wise, CPU topology) with the table
+group shards the tables as TorchRec's planner chooses (table-wise or row-wise, CPU topology; --torchrec-sharding makes it
+use one type) with the table
 optimizer fused into backward (`apply_optimizer_in_backward`: --embedding-optimizer sgd = EXACT_SGD, adagrad =
 EXACT_ADAGRAD, eps 1e-10, as torch.optim.Adagrad), and wraps the rest of the model in DDP (its dense buckets
 optionally through torch's fp16 / bf16 hook, --ddp-hook). The dense part steps with --optimizer, as every mode.
@@ -30,10 +31,11 @@ import torch.distributed as dist
 from torch import nn
 
 from deltaps.embedding import init_rows
+from deltaps.strategies import TORCHREC_SHARDINGS
 from worker.trainers.base import local_optimizer
 from worker.trainers.collective import AllreduceHookState, check_table_model_hook, register_timed_hook, ring_bytes
 from worker.trainers.strategy import StepOutcome, Strategy, register
-from worker.workloads.ctr import table_spec
+from worker.workloads.ctr import table_rows, table_spec
 
 log = logging.getLogger("deltaps.torchrec")
 
@@ -81,7 +83,7 @@ def swap_tables(model: nn.Module, cfg) -> list[str]:
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, TorchRecTable(name.replace(".", "_"), cfg.embedding_rows, cfg.embedding_dim,
+        setattr(parent, attr, TorchRecTable(name.replace(".", "_"), table_rows(cfg), cfg.embedding_dim,
                                             cfg.embedding_fields))
     return names
 
@@ -89,7 +91,7 @@ def swap_tables(model: nn.Module, cfg) -> list[str]:
 @torch.no_grad()
 def write_initial_rows(dmp, spec) -> int:
     """Every local shard of every table <- the PS's hash init of its rows (columns as the shard cuts them);
-    the rows this rank holds."""
+    the table values (floats) this rank holds."""
     held = 0
     for key, value in dmp.state_dict().items():
         if not key.endswith(".weight") or not hasattr(value, "local_shards"):
@@ -99,7 +101,7 @@ def write_initial_rows(dmp, spec) -> int:
             rows, cols = shard.tensor.shape
             full = init_rows(spec, np.arange(row0, row0 + rows))
             shard.tensor.copy_(full[:, col0:col0 + cols])
-            held += rows
+            held += rows * cols
     return held
 
 
@@ -116,6 +118,8 @@ class TorchRec(Strategy):
                              f"{workload_cls.name}")
         if cfg.sync != "bsp":
             raise ValueError(f"--mode torchrec is synchronous (--sync bsp), not {cfg.sync}")
+        if cfg.torchrec_sharding not in ("auto", *TORCHREC_SHARDINGS):
+            raise ValueError(f"--torchrec-sharding {cfg.torchrec_sharding}: use auto or {', '.join(TORCHREC_SHARDINGS)}")
         if cfg.embedding_optimizer not in FUSED_OPTIMIZERS:
             raise ValueError(f"--mode torchrec fuses sgd or adagrad into backward, not --embedding-optimizer "
                              f"{cfg.embedding_optimizer} (fbgemm's Adam is not torch's lazy SparseAdam)")
@@ -125,7 +129,7 @@ class TorchRec(Strategy):
         torchrec = import_torchrec()
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
         from torchrec.distributed.types import ShardingEnv
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
         from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -138,11 +142,17 @@ class TorchRec(Strategy):
                 apply_optimizer_in_backward(FUSED_OPTIMIZERS[cfg.embedding_optimizer], m.parameters(), table_opt)
         group = dist.group.WORLD
         sharders = [EmbeddingBagCollectionSharder()]
-        planner = EmbeddingShardingPlanner(topology=Topology(world_size=ctx.world_size, compute_device="cpu"))
+        # --torchrec-sharding: the type the planner must use; column-wise cut into one slice per rank (its default
+        # minimum slice would keep a 64-wide table whole on one rank)
+        split = {"min_partition": max(1, cfg.embedding_dim // ctx.world_size)} if "column" in cfg.torchrec_sharding else {}
+        must = {} if cfg.torchrec_sharding == "auto" else {
+            t.replace(".", "_"): ParameterConstraints(sharding_types=[cfg.torchrec_sharding], **split) for t in self.tables}
+        planner = EmbeddingShardingPlanner(topology=Topology(world_size=ctx.world_size, compute_device="cpu"),
+                                           constraints=must)
         self.plan = planner.collective_plan(model, sharders, group)
         self.dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(group), device=torch.device("cpu"),
                                             plan=self.plan, sharders=sharders)
-        self.rows_held = write_initial_rows(self.dmp, table_spec(cfg))
+        self.values_held = write_initial_rows(self.dmp, table_spec(cfg))
         self.model = self.dmp
         self.state = AllreduceHookState(ctx.world_size)
         register_timed_hook(self.dmp._dmp_wrapped_module, self.state, cfg.ddp_hook)
@@ -171,7 +181,7 @@ class TorchRec(Strategy):
         plan = {table: {"sharding": p.sharding_type, "ranks": p.ranks}           # the planner's choice, per table
                 for shards in self.plan.plan.values() for table, p in shards.items()}
         return dict(bytes_pushed_wire=sent, bytes_pushed_raw=sent, bytes_pulled_wire=sent,
-                    extras={"timing_method": TIMING_METHOD, "torchrec_plan": plan, "table_rows_held": self.rows_held,
+                    extras={"timing_method": TIMING_METHOD, "torchrec_plan": plan, "table_values_held": self.values_held,
                             "dense_ring_bytes": self.ring_bytes, "a2a_bytes_model": self.a2a_bytes,
                             "table_optimizer": f"fused {self.cfg.embedding_optimizer}", "tables": self.tables})
 

@@ -27,7 +27,8 @@ TEST_SAMPLES = 8192
 
 
 class CTRData:
-    def __init__(self, rows: int, fields: int = 8, zipf_a: float = 1.1, seed: int = 0):
+    def __init__(self, rows: int, fields: int = 8, zipf_a: float = 1.1, seed: int = 0, drift: float = 0.0,
+                 drift_every: int = 0, steps: int = 0):
         if rows < fields:
             raise ValueError(f"embedding rows {rows} < fields {fields}")
         self.rows, self.fields, self.a, self.seed = rows, fields, zipf_a, seed
@@ -40,24 +41,40 @@ class CTRData:
         while np.gcd(mult, m) != 1:
             mult += 1
         self.mult, self.off = mult, (seed * 97_531) % m
+        # drift: every `drift_every` steps a `drift` share of each field's slots gets a new id (a new generation);
+        # slot k is renewed when epoch x drift + phase_k crosses an integer (golden-ratio phases spread renewals)
+        self.drift, self.drift_every = drift, drift_every
+        self.phase = (np.arange(m) * 0.6180339887498949) % 1.0
+        last_epoch = (max(steps, 1) - 1) // drift_every if drift else 0
+        self.generations = int(np.floor(last_epoch * drift + self.phase.max())) + 1 if drift else 1
         g = np.random.default_rng(seed + 12345)
         self.w_fields = g.normal(0, 1.0, (fields, TEACHER_DIM)) / np.sqrt(fields * TEACHER_DIM / 12.0)
         self.v_dense = g.normal(0, 0.5 / np.sqrt(DENSE), DENSE)
         self.bias = -0.5
         self._recent: dict = {}      # (rank, step, batch size) -> batch, the latest two
+        self._tests: dict = {}       # epoch -> test set
 
-    def _ids(self, g: np.random.Generator, n: int) -> np.ndarray:
+    @property
+    def table_rows(self) -> int:
+        """Rows a fixed table needs for every id the run draws (every generation of every slot)."""
+        return max(self.rows, self.fields * self.per_field * self.generations)
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.drift_every if self.drift else 0
+
+    def _ids(self, g: np.random.Generator, n: int, epoch: int = 0) -> np.ndarray:
         rank = np.searchsorted(self.cdf, g.random((n, self.fields)))          # 0-based rank, Zipf
         local = (rank * self.mult + self.off) % self.per_field
-        return local + np.arange(self.fields) * self.per_field                 # [n, fields] global ids
+        gen = np.floor(epoch * self.drift + self.phase[local]).astype(np.int64) if self.drift else 0
+        return (np.arange(self.fields) * self.generations + gen) * self.per_field + local   # [n, fields] global ids
 
     def teacher_logit(self, ids: np.ndarray, dense: np.ndarray) -> np.ndarray:
         u = hash_uniform(ids.reshape(-1), TEACHER_DIM, self.seed, scale=1.0, salt=1).numpy()
         u = u.reshape(ids.shape[0], self.fields, TEACHER_DIM)
         return np.einsum("bfd,fd->b", u, self.w_fields) * 2.0 + dense @ self.v_dense + self.bias
 
-    def sample(self, g: np.random.Generator, n: int):
-        ids = self._ids(g, n)
+    def sample(self, g: np.random.Generator, n: int, epoch: int = 0):
+        ids = self._ids(g, n, epoch)
         dense = g.normal(0, 1, (n, DENSE)).astype(np.float32)
         p = 1 / (1 + np.exp(-self.teacher_logit(ids, dense)))
         y = (g.random(n) < p).astype(np.float32)
@@ -69,14 +86,17 @@ class CTRData:
         key = (rank, step, batch_size)
         if key not in self._recent:
             g = np.random.default_rng([self.seed, 1 + rank, step])
-            ids, dense, y, _ = self.sample(g, batch_size)
+            ids, dense, y, _ = self.sample(g, batch_size, self.epoch_of(step))
             self._recent = dict(list(self._recent.items())[-1:]) | {key: (ids, dense, y)}
         return self._recent[key]
 
-    def test_set(self):
-        g = np.random.default_rng([self.seed, 0, 10**9])
-        ids, dense, y, p = self.sample(g, TEST_SAMPLES)
-        return ids, dense, y, torch.from_numpy(p)
+    def test_set(self, epoch: int = 0):
+        """TEST_SAMPLES held-out samples of `epoch`'s ids (the same set for every epoch without drift)."""
+        if epoch not in self._tests:
+            g = np.random.default_rng([self.seed, 0, 10**9 + epoch])
+            ids, dense, y, p = self.sample(g, TEST_SAMPLES, epoch)
+            self._tests = {epoch: (ids, dense, y, torch.from_numpy(p))}
+        return self._tests[epoch]
 
 
 class CTRModel(nn.Module):
@@ -105,10 +125,19 @@ class CTRModel(nn.Module):
         return self.mlp(torch.cat([e, dense], 1)).squeeze(1)
 
 
+def table_rows(cfg) -> int:
+    """A fixed table's rows: --embedding-rows, times the id generations a drifting stream draws (--id-drift)."""
+    return CTRData(cfg.embedding_rows, cfg.embedding_fields, cfg.zipf_a, cfg.seed, cfg.id_drift, cfg.drift_every,
+                   cfg.steps).table_rows
+
+
 def table_spec(cfg) -> TableSpec:
-    return TableSpec("emb", cfg.embedding_rows, cfg.embedding_dim, cfg.embedding_optimizer, lr=cfg.embedding_lr,
-                     eps=1e-10 if cfg.embedding_optimizer == "adagrad" else 1e-8, init="uniform",
-                     init_scale=0.05, seed=cfg.seed)
+    """The click-through table: fixed (table_rows rows) or, with --embedding-dynamic, without a row count (rows made
+    on first touch, evicted after --embedding-ttl-steps, made after --embedding-min-count sightings)."""
+    dynamic = {"dynamic": True, "ttl_steps": cfg.embedding_ttl_steps, "min_count": cfg.embedding_min_count}
+    return TableSpec("emb", 0 if cfg.embedding_dynamic else table_rows(cfg), cfg.embedding_dim, cfg.embedding_optimizer,
+                     lr=cfg.embedding_lr, eps=1e-10 if cfg.embedding_optimizer == "adagrad" else 1e-8, init="uniform",
+                     init_scale=0.05, seed=cfg.seed, **(dynamic if cfg.embedding_dynamic else {}))
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -132,8 +161,8 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: CTRData) -> dict:
-    ids, dense, y, p = data.test_set()
+def evaluate(model: nn.Module, data: CTRData, epoch: int = 0) -> dict:
+    ids, dense, y, p = data.test_set(epoch)
     was = model.training
     model.eval()
     logits = model(ids, dense)
@@ -158,14 +187,24 @@ class CTR(Workload):
         for name in ("embedding_rows", "embedding_dim", "embedding_fields"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+        if not 0.0 <= cfg.id_drift <= 1.0 or (cfg.id_drift and cfg.drift_every < 1):
+            raise ValueError(f"--id-drift must be in [0, 1] with --drift-every >= 1 steps, got {cfg.id_drift} and "
+                             f"{cfg.drift_every}")
+        if cfg.embedding_ttl_steps < 0 or cfg.embedding_min_count < 0:
+            raise ValueError("--embedding-ttl-steps and --embedding-min-count must be >= 0")
+        if (cfg.embedding_ttl_steps or cfg.embedding_min_count) and not cfg.embedding_dynamic:
+            raise ValueError("--embedding-ttl-steps / --embedding-min-count apply to dynamic tables "
+                             "(--embedding-dynamic)")
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.data = CTRData(cfg.embedding_rows, cfg.embedding_fields, cfg.zipf_a, cfg.seed)
+        self.data = CTRData(cfg.embedding_rows, cfg.embedding_fields, cfg.zipf_a, cfg.seed, cfg.id_drift,
+                            cfg.drift_every, cfg.steps)
+        self.step = 0       # the step whose batch the training loop took last: evaluations test its epoch's ids
 
     def build_model(self, tables: str = "local") -> CTRModel:
         cfg = self.cfg
-        return CTRModel(cfg.embedding_rows, cfg.embedding_dim, cfg.embedding_fields, cfg.hidden, cfg.layers, cfg.seed,
+        return CTRModel(self.data.table_rows, cfg.embedding_dim, cfg.embedding_fields, cfg.hidden, cfg.layers, cfg.seed,
                         materialize_table=tables != "remote", table_spec=table_spec(cfg), sparse=tables == "sparse")
 
     def batch_at(self, rank: int, step: int) -> tuple:
@@ -176,6 +215,7 @@ class CTR(Workload):
     def batches(self, rank: int, world_size: int, live=None):
         step = 0
         while True:
+            self.step = step
             yield self.batch_at(rank, step)
             step += 1
 
@@ -183,12 +223,12 @@ class CTR(Workload):
         return F.binary_cross_entropy_with_logits(output, target)
 
     def evaluate(self, model: nn.Module) -> dict:
-        return evaluate(model, self.data)
+        return {**evaluate(model, self.data, self.data.epoch_of(self.step)), "ids_epoch": self.data.epoch_of(self.step)}
 
     def logical_params(self, model: nn.Module) -> int:
         """The dense part plus the whole table (a placeholder where the table lives on the shards)."""
         dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("emb"))
-        return dense + self.cfg.embedding_rows * self.cfg.embedding_dim
+        return dense + self.data.table_rows * self.cfg.embedding_dim
 
     def result_extras(self, evaluation: dict) -> dict:
         return ctr_extras(evaluation)
