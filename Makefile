@@ -121,6 +121,22 @@ bench-ctr: bench-ctr-1gbit.json bench-ctr-100mbit.json
 bench-ctr-%.json: setup FORCE
 	$(BIN)/deltaps bench compare --workers 4 $(CTR_RACE) --bandwidth $* --modes $(CTR_MODES) --json $@ --plot $(@:.json=.png)
 
+# Dynamic tables on a drifting id stream (docs/hybrid.md#a-drifting-id-stream): every 50 steps half of each field's
+# ids are replaced by new ones; a fixed table sized for every id against dynamic ones evicting rows idle for 100
+# steps (2 id epochs), with and without a frequency filter; rows live on the shards at every evaluation, AUC at 600.
+bench-ctr-drift.json: setup FORCE
+	$(BIN)/deltaps bench compare --workers 4 --workload ctr --servers 2 --batch-size 256 --hidden 256 --steps 600 \
+		--eval-every 50 --seeds $(RACE_SEEDS) --bandwidth 1gbit --id-drift 0.5 --drift-every 50 \
+		--modes hybrid,hybrid:dynamic:ttl=100,hybrid:dynamic:ttl=100:min_count=2 --json $@ --plot $(@:.json=.png)
+
+# A table larger than a worker's memory limit (8M x 64: 2 GiB of values + 2 GiB of Adagrad state; every worker
+# capped at WORKER_MEMORY): DDP and TorchRec's table-wise plan hold it in a worker and fail, hybrid trains.
+WORKER_MEMORY ?= 3GiB
+bench-ctr-memory.json: setup FORCE
+	$(BIN)/deltaps bench compare --workers 4 --workload ctr --servers 2 --batch-size 256 --hidden 256 --steps 100 \
+		--no-shaping --embedding-rows 8000000 --worker-memory-limit $(WORKER_MEMORY) \
+		--modes ddp:sparse,torchrec:sharding=table_wise,torchrec:sharding=column_wise,hybrid --json $@
+
 # the race in a few minutes: one seed, clf, 100 Mbit/s, fp32 DDP, the best DDP hook and torchft peers, the best deltaps modes
 bench-peers-quick: setup
 	$(BIN)/deltaps bench compare --workers 4 --workload clf --eval-every 10 --target-accuracy 0.9 --steps 600 \

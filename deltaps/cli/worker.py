@@ -65,8 +65,20 @@ def run(args) -> int:
     except PSError as e:     # e.g. a shard unreachable past --reconnect-deadline-s: a clean error, no hang
         print(f"deltaps worker {ctx.rank}: error: {e}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        limit = f" (--worker-memory-limit {cfg.worker_memory_limit})" if cfg.worker_memory_limit else ""
+        print(f"deltaps worker {ctx.rank}: error: out of memory{limit}: {str(e).splitlines()[0] if str(e) else 'MemoryError'}"
+              f"; a table this large belongs on the shards (--mode hybrid)", file=sys.stderr)
+        return 1
     _write_result(args.result_json, ctx.rank, result)
     _exit_now()
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """A MemoryError, or torch's allocator failing ("can't allocate memory")."""
+    return isinstance(e, MemoryError) or "can't allocate memory" in str(e)
 
 
 def _write_result(path: str | None, rank: int, result: dict) -> None:

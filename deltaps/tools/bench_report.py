@@ -103,14 +103,19 @@ def add_speedups(report: dict) -> None:
 
 
 def add_common_step_deltas(report: dict) -> None:
-    """Per mode, its metric at the common step minus fp32 DDP's (`metric_at_common_step_delta_vs_ddp`) and the flag
-    `common_step_flag`: beyond ACCURACY_FLAG points (accuracy, AUC) or LOSS_FLAG relative (a loss)."""
+    """Per mode, its metric at the common step minus fp32 DDP's (`metric_at_common_step_delta_vs_ddp`) and minus the
+    best peer's (`..._vs_best_peer`, after add_time_to_accuracy), and the flag `common_step_flag`: beyond
+    ACCURACY_FLAG points (accuracy, AUC) or LOSS_FLAG relative (a loss). A ctr report names it `auc_at_common_step` too."""
     ddp = fp32_ddp_run(report["modes"]) or {}
     ref = ddp.get("metric_at_common_step")
+    peer = report["modes"].get(report.get("best_peer") or "", {}).get("metric_at_common_step")
     for m in report["modes"].values():
         v = m.get("metric_at_common_step")
         if "error" in m or "common_step" not in m:
             continue
+        if report.get("workload") == "ctr":
+            m["auc_at_common_step"] = v
+        m["metric_at_common_step_delta_vs_best_peer"] = None if v is None or peer is None else v - peer
         delta = None if v is None or ref is None else v - ref
         m["metric_at_common_step_delta_vs_ddp"] = delta
         m["common_step_flag"] = delta is not None and (

@@ -43,6 +43,7 @@ TIMING_METHOD = ("torchrec: blocked = exposed dense allreduce (DDP inside Distri
                  "of ids / pooled rows / row gradients run inside forward and backward and count as compute")
 FUSED_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
 LOOKUP_BYTES = 12          # an id (int64) and its length (int32) sent to the table's owner
+INIT_BLOCK = 1 << 16       # rows initialised at a time
 
 
 def import_torchrec():
@@ -99,8 +100,9 @@ def write_initial_rows(dmp, spec) -> int:
         for shard in value.local_shards():
             row0, col0 = shard.metadata.shard_offsets
             rows, cols = shard.tensor.shape
-            full = init_rows(spec, np.arange(row0, row0 + rows))
-            shard.tensor.copy_(full[:, col0:col0 + cols])
+            for lo in range(0, rows, INIT_BLOCK):           # in blocks: no second copy of a large table
+                hi = min(rows, lo + INIT_BLOCK)
+                shard.tensor[lo:hi].copy_(init_rows(spec, np.arange(row0 + lo, row0 + hi))[:, col0:col0 + cols])
             held += rows * cols
     return held
 

@@ -1,0 +1,49 @@
+"""Dynamic tables end to end: `deltaps bench compare` runs the click-through model on a drifting id stream with a
+fixed table (sized for every id) and dynamic ones (rows made on first touch, TTL eviction), real worker and shard
+processes on loopback; and a table larger than a worker's memory limit trains through the shards while DDP, which
+holds the table in every worker, fails with the allocation error."""
+import json
+
+import pytest
+
+from deltaps.tools import bench_compare as bc
+from deltaps.tools.launch import launch
+from worker.trainers.strategy import load_job
+
+SMALL = ["--no-shaping", "--workers", "2", "--servers", "2", "--batch-size", "64", "--hidden", "16",
+         "--embedding-dim", "8"]
+
+
+def test_ttl_eviction_holds_the_rows_flat_on_a_drifting_stream_where_a_fixed_table_grows(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = bc.main([*SMALL, "--steps", "160", "--embedding-rows", "20000", "--id-drift", "0.5", "--drift-every", "20",
+                  "--eval-every", "20", "--modes", "hybrid,hybrid:dynamic,hybrid:dynamic:ttl=20", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    modes = json.loads(out.read_text())["modes"]
+    live = {spec: [p["table_rows_live"] for p in m["evals"]] for spec, m in modes.items()}
+    fixed, dyn, ttl = live["hybrid"], live["hybrid:dynamic"], live["hybrid:dynamic:ttl=20"]
+    assert len(fixed) == 8 and fixed == sorted(fixed) and fixed[-1] > 2.5 * fixed[0]      # every id seen stays
+    assert dyn == fixed                                # without eviction a dynamic table holds what a fixed one does
+    assert max(ttl[2:]) < 1.3 * min(ttl[2:]) and ttl[-1] < 0.5 * fixed[-1]                # flat
+    # same init (a row's init is a function of its id), same updates: no eviction -> the same model
+    assert modes["hybrid:dynamic"]["final_test_auc"] == pytest.approx(modes["hybrid"]["final_test_auc"], abs=1e-6)
+    assert modes["hybrid:dynamic:ttl=20"]["final_test_auc"] == pytest.approx(modes["hybrid"]["final_test_auc"], abs=0.02)
+    assert modes["hybrid"]["shard_table_bytes"] > modes["hybrid:dynamic:ttl=20"]["shard_table_bytes"]
+
+
+def _job(mode: str, limit: str) -> dict:
+    # 2M x 64 floats: 488 MiB of values + as much Adagrad state in every DDP worker, more than `limit` leaves
+    return dict(mode=mode, workload="ctr", workers=2, servers=2, steps=6, batch_size=64, hidden=16,
+                embedding_rows=2_000_000, embedding_dim=64, worker_memory_limit=limit, progress=False, timeout_s=60.0)
+
+
+LIMIT = "3GiB"     # address space: torch, gloo and gRPC threads reserve ~2 GiB of it before the model
+
+
+def test_a_table_past_the_worker_memory_limit_trains_through_the_shards():
+    summary = launch(load_job(None, _job("hybrid", LIMIT)), quiet=True)
+    assert summary["steps"] == 6 and 0.4 < summary["per_worker"][0]["final_test_auc"] <= 1.0
+    assert max(w["peak_rss_bytes"] for w in summary["per_worker"]) < 2 << 30
+    with pytest.raises(RuntimeError, match="(?s)worker.*failed.*out of memory \\(--worker-memory-limit 3GiB\\)"):
+        launch(load_job(None, _job("allreduce", LIMIT)), quiet=True)
