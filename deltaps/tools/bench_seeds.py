@@ -12,6 +12,7 @@ import statistics
 
 PER_SEED = ("seed", "time_to_target_s", "steps_to_target", "median_step_s", "final_test_accuracy", "steps",
             "common_step", "metric_at_common_step", "bytes_per_round_fraction", "capped")
+PER_SEED_WHERE_RUN = ("final_test_auc", "shard_rows_held", "worker_peak_rss_bytes")     # ctr runs have these
 EVERY_SEED_OR_NULL = ("metric_at_common_step", "common_step_evaluated_at", "bytes_per_round_fraction")
 
 
@@ -40,7 +41,7 @@ def merge(runs: list[dict]) -> dict:
         out[key] = statistics.median(reached) if len(reached) == len(runs) else None
         out[key.removesuffix("_s") + "_range" + ("_s" if key.endswith("_s") else "")] = (
             [min(reached), max(reached)] if reached else None)
-    out["seeds"] = [{k: r.get(k) for k in PER_SEED} for r in runs]
+    out["seeds"] = [{**{k: r.get(k) for k in PER_SEED}, **{k: r[k] for k in PER_SEED_WHERE_RUN if k in r}} for r in runs]
     return out
 
 
