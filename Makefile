@@ -131,7 +131,7 @@ bench-ctr-drift.json: setup FORCE
 
 # A table larger than a worker's memory limit (8M x 64: 2 GiB of values + 2 GiB of Adagrad state; every worker
 # capped at WORKER_MEMORY): DDP and TorchRec's table-wise plan hold it in a worker and fail, hybrid trains.
-WORKER_MEMORY ?= 3GiB
+WORKER_MEMORY ?= 1GiB
 bench-ctr-memory.json: setup FORCE
 	$(BIN)/deltaps bench compare --workers 4 --workload ctr --servers 2 --batch-size 256 --hidden 256 --steps 100 \
 		--no-shaping --embedding-rows 8000000 --worker-memory-limit $(WORKER_MEMORY) \

@@ -211,7 +211,8 @@ class TrainConfig:
         "table_wise, column_wise, table_column_wise (TorchRec 1.8 shards CPU tables no other way)")
     worker_memory_limit: str = option(
         "",
-        "the worker caps its own address space (RLIMIT_AS) at this size, e.g. 3GiB, before it builds the model: a "
+        "the worker caps the memory it allocates (RLIMIT_DATA: heap and private mappings, i.e. tensors and optimizer "
+        "state; not code or shared libraries) at this size, e.g. 1GiB, before it builds the model: a "
         "model that does not fit fails with a clear error instead of taking the host down; empty = no limit")
     # ---- pipeline parallelism (worker/trainers/pipeline.py, docs/hybrid.md) ----
     pipeline_stages: int = option(2, "pipeline mode: stages per pipeline replica (workers must be a multiple of it)")

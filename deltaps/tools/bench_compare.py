@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps-params", default="embedding", help="hybrid: modules on the PS (embedding or patterns)")
     p.add_argument("--id-drift", type=float, default=0.0, help="ctr: share of the ids renewed every --drift-every steps")
     p.add_argument("--drift-every", type=int, default=100, help="ctr with --id-drift: steps per id epoch")
-    p.add_argument("--worker-memory-limit", default="", help="every worker caps its address space (RLIMIT_AS), e.g. 3GiB")
+    p.add_argument("--worker-memory-limit", default="", help="every worker caps its data memory (RLIMIT_DATA), e.g. 1GiB")
     bench_faults.add_arguments(p)
     p.add_argument("--device", default="cpu", choices=DEVICES,
                    help="where every mode's workers train (cpu; cuda: NCCL for ddp, one GPU per worker)")

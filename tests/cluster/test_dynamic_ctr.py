@@ -38,12 +38,12 @@ def _job(mode: str, limit: str) -> dict:
                 embedding_rows=2_000_000, embedding_dim=64, worker_memory_limit=limit, progress=False, timeout_s=60.0)
 
 
-LIMIT = "3GiB"     # address space: torch, gloo and gRPC threads reserve ~2 GiB of it before the model
+LIMIT = "1GiB"     # data memory: a hybrid worker of this job allocates ~0.5 GiB
 
 
 def test_a_table_past_the_worker_memory_limit_trains_through_the_shards():
     summary = launch(load_job(None, _job("hybrid", LIMIT)), quiet=True)
     assert summary["steps"] == 6 and 0.4 < summary["per_worker"][0]["final_test_auc"] <= 1.0
     assert max(w["peak_rss_bytes"] for w in summary["per_worker"]) < 2 << 30
-    with pytest.raises(RuntimeError, match="(?s)worker.*failed.*out of memory \\(--worker-memory-limit 3GiB\\)"):
+    with pytest.raises(RuntimeError, match="(?s)worker.*failed.*out of memory \\(--worker-memory-limit 1GiB\\)"):
         launch(load_job(None, _job("allreduce", LIMIT)), quiet=True)

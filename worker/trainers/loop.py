@@ -75,8 +75,9 @@ def peak_rss_bytes() -> int:
 
 
 def limit_memory(size: str) -> None:
-    """--worker-memory-limit: cap this process' address space (allocations past it raise MemoryError / a torch
+    """--worker-memory-limit: cap this process' data memory, RLIMIT_DATA (heap and private mappings: what tensors
+    take; shared libraries and code are not counted, unlike RLIMIT_AS). Allocations past it raise MemoryError / a torch
     'can't allocate memory' RuntimeError, which the worker reports)."""
     if size:
         limit = parse_bytes(size)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
