@@ -62,23 +62,24 @@ def run(args) -> int:
     except WorkerStopped as e:
         print(f"deltaps worker: {e}", file=sys.stderr)
         return 128 + 15
-    except PSError as e:     # e.g. a shard unreachable past --reconnect-deadline-s: a clean error, no hang
-        print(f"deltaps worker {ctx.rank}: error: {e}", file=sys.stderr)
-        return 1
-    except (MemoryError, RuntimeError) as e:
-        if not out_of_memory(e):
-            raise
-        limit = f" (--worker-memory-limit {cfg.worker_memory_limit})" if cfg.worker_memory_limit else ""
-        print(f"deltaps worker {ctx.rank}: error: out of memory{limit}: {str(e).splitlines()[0] if str(e) else 'MemoryError'}"
-              f"; a table this large belongs on the shards (--mode hybrid)", file=sys.stderr)
+    except (PSError, MemoryError, RuntimeError) as e:   # a shard unreachable, out of memory: one clear line
+        print(f"deltaps worker {ctx.rank}: error: {failure_text(e, cfg)}", file=sys.stderr)
         return 1
     _write_result(args.result_json, ctx.rank, result)
     _exit_now()
 
 
-def out_of_memory(e: BaseException) -> bool:
-    """A MemoryError, or torch's allocator failing ("can't allocate memory")."""
-    return isinstance(e, MemoryError) or "can't allocate memory" in str(e)
+def failure_text(e: BaseException, cfg) -> str:
+    """A worker's clean failure in one line: a PSError (e.g. a shard unreachable past --reconnect-deadline-s) or
+    running out of memory (a MemoryError, or torch's allocator: "can't allocate memory"); anything else re-raised."""
+    from deltaps.errors import PSError
+    if isinstance(e, PSError):
+        return str(e)
+    if not (isinstance(e, MemoryError) or "can't allocate memory" in str(e)):
+        raise e
+    limit = f" (--worker-memory-limit {cfg.worker_memory_limit})" if cfg.worker_memory_limit else ""
+    first = str(e).splitlines()[0] if str(e) else "MemoryError"
+    return f"out of memory{limit}: {first}; a table this large belongs on the shards (--mode hybrid)"
 
 
 def _write_result(path: str | None, rank: int, result: dict) -> None:

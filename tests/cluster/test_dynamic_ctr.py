@@ -16,15 +16,18 @@ SMALL = ["--no-shaping", "--workers", "2", "--servers", "2", "--batch-size", "64
 
 def test_ttl_eviction_holds_the_rows_flat_on_a_drifting_stream_where_a_fixed_table_grows(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = bc.main([*SMALL, "--steps", "160", "--embedding-rows", "20000", "--id-drift", "0.5", "--drift-every", "20",
+    rc = bc.main([*SMALL, "--steps", "120", "--embedding-rows", "20000", "--id-drift", "0.5", "--drift-every", "20",
                   "--eval-every", "20", "--modes", "hybrid,hybrid:dynamic,hybrid:dynamic:ttl=20", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     modes = json.loads(out.read_text())["modes"]
     live = {spec: [p["table_rows_live"] for p in m["evals"]] for spec, m in modes.items()}
     fixed, dyn, ttl = live["hybrid"], live["hybrid:dynamic"], live["hybrid:dynamic:ttl=20"]
-    assert len(fixed) == 8 and fixed == sorted(fixed) and fixed[-1] > 2.5 * fixed[0]      # every id seen stays
-    assert dyn == fixed                                # without eviction a dynamic table holds what a fixed one does
+    assert len(fixed) == 6 and fixed == sorted(fixed) and fixed[-1] > 2.5 * fixed[0]      # every id seen stays
+    # without eviction a dynamic table holds what a fixed one does (at the end; during the run the other workers'
+    # pulls of the next step may be in or not when rank 0 reads the count)
+    assert modes["hybrid:dynamic"]["shard_rows_held"] == modes["hybrid"]["shard_rows_held"]
+    assert all(abs(d - f) < 0.1 * f for d, f in zip(dyn, fixed))
     assert max(ttl[2:]) < 1.3 * min(ttl[2:]) and ttl[-1] < 0.5 * fixed[-1]                # flat
     # same init (a row's init is a function of its id), same updates: no eviction -> the same model
     assert modes["hybrid:dynamic"]["final_test_auc"] == pytest.approx(modes["hybrid"]["final_test_auc"], abs=1e-6)

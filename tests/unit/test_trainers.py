@@ -16,7 +16,7 @@ from worker.workloads.ctr import ctr_extras
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = ROOT / "worker" / "trainers"
-STRATEGIES = ("ps.py", "allreduce.py", "hybrid.py", "pipeline.py", "torchft_peer.py")
+STRATEGIES = ("ps.py", "allreduce.py", "hybrid.py", "pipeline.py", "torchft_peer.py", "torchrec_peer.py")
 SHARED = ("worker.trainers.base", "worker.trainers.collective", "worker.trainers.context", "worker.trainers.devices",
           "worker.trainers.strategy")
 
@@ -177,7 +177,7 @@ def test_the_loop_imports_no_strategy_module():
             imported = ([node.module] if isinstance(node, ast.ImportFrom) else
                         [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             assert not set(imported) & strategy_modules, (name, imported)
-    assert available_strategies() == ["allreduce", "hybrid", "pipeline", "ps", "torchft"]
+    assert available_strategies() == ["allreduce", "hybrid", "pipeline", "ps", "torchft", "torchrec"]
 
 
 def test_cli_worker_run_is_short_and_mode_blind():
