@@ -27,7 +27,7 @@ class TrainConfig:
     mode: str = option(
         "ps",
         "training mode: ps (parameter servers), allreduce (DDP ring-allreduce baseline), hybrid (embeddings "
-        "on the PS, rest allreduced), pipeline (pipeline stages x data-parallel replicas via the PS) torchft "
+        "on the PS, rest allreduced), pipeline (pipeline stages x data-parallel replicas via the PS), torchft "
         "(the peer: torchft's own DiLoCo / LocalSGD) or torchrec (the embedding peer: TorchRec's "
         "DistributedModelParallel, --workload ctr)")
     ddp_hook: str = option(

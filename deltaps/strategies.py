@@ -63,7 +63,7 @@ HALF_HOOKS = ("fp16", "bf16")                         # the hooks ddp:sparse's a
 MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-asp:<codec>, "
               "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>[:grace=G][:outer=..], hybrid[:fp16|bf16][:dynamic[:ttl=N][:min_count=M]], "
               "torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:outer=..] "
-              "or torchft:localsgd:sync=H, torchrec[:fp16|bf16]")
+              "or torchft:localsgd:sync=H, torchrec[:fp16|bf16][:sharding=S]")
 TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps",
                 "min_replicas": "min_replicas"}
 OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"}
