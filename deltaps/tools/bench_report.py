@@ -335,6 +335,7 @@ def plot(report: dict, path: str) -> None:
         ax3.set_xlabel("training time (s, evaluations excluded)")
         ax3.set_ylabel("test AUC (x100)" if metric == "test_auc" else "test accuracy (%)")
         ax3.set_title(f"time to target (best peer: {report.get('best_peer') or '—'})", fontsize=9)
+        _rows_live(ax3, modes, ms)
         legend = ax3.legend(fontsize=7)
         for text, m in zip(legend.get_texts(), ms):
             if m.get("accuracy_flag"):
@@ -342,6 +343,17 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _rows_live(ax, modes: list[str], ms: list[dict]) -> None:
+    """Hybrid's rows on the shards at each evaluation (table_rows_live), dotted on a right-hand axis."""
+    if not any("table_rows_live" in p for m in ms for p in m.get("evals") or ()):
+        return
+    rows = ax.twinx()
+    for spec, m in zip(modes, ms):
+        pts = [p for p in m.get("evals") or () if "table_rows_live" in p]
+        rows.plot([p["time_s"] for p in pts], [p["table_rows_live"] / 1e3 for p in pts], linestyle=":", label=spec)
+    rows.set_ylabel("rows on the shards (thousands, dotted)")
 
 
 def format_table(report: dict) -> str:

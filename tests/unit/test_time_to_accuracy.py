@@ -237,3 +237,28 @@ def test_plot_draws_the_curves(tmp_path):
     br.add_time_to_accuracy(r, 0.9)
     br.plot(r, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+
+def test_rows_live_ride_along_the_curve_and_get_their_own_axis(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def res(rows):
+        return {"time_to_target_s": None, "eval_s": 0.1, "evals": [
+            {"step": 10 * (i + 1), "time_s": 1.0 + i, "test_accuracy": 0.7, "table_rows_live": n}
+            for i, n in enumerate(rows)]}
+    f = br.eval_fields([res([100, 150]), res([0, 0])])
+    assert [p["table_rows_live"] for p in f["evals"]] == [100, 150]           # rank 0's count, the one that reads it
+    fig, ax = plt.subplots()
+    br._rows_live(ax, ["a"], [{"evals": [{"step": 1, "time_s": 1.0}]}])
+    assert len(fig.axes) == 1                                                 # nothing to draw: no second axis
+    br._rows_live(ax, ["a"], [f])
+    assert len(fig.axes) == 2 and fig.axes[1].lines[0].get_ydata().tolist() == [0.1, 0.15]
+    plt.close(fig)
+    r = _report()
+    next(iter(r["modes"].values()))["evals"] = f["evals"]
+    br.add_time_to_accuracy(r, 0.9)
+    br.plot(r, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
