@@ -130,7 +130,8 @@ bench-ctr-drift.json: setup FORCE
 		--modes hybrid,hybrid:dynamic:ttl=100,hybrid:dynamic:ttl=100:min_count=2 --json $@ --plot $(@:.json=.png)
 
 # A table larger than a worker's memory limit (8M x 64: 2 GiB of values + 2 GiB of Adagrad state; every worker
-# capped at WORKER_MEMORY): DDP and TorchRec's table-wise plan hold it in a worker and fail, hybrid trains.
+# capped at WORKER_MEMORY): DDP (the table in every worker) and TorchRec (table-wise: in one worker; column-wise: a
+# quarter of it and its Adagrad state in each) fail, hybrid trains.
 WORKER_MEMORY ?= 1GiB
 bench-ctr-memory.json: setup FORCE
 	$(BIN)/deltaps bench compare --workers 4 --workload ctr --servers 2 --batch-size 256 --hidden 256 --steps 100 \
