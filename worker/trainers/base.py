@@ -103,8 +103,9 @@ def adopt_server_params(opt, flush: bool = True) -> None:
 
 
 def save_model(cfg: TrainConfig, rank: int, state: dict) -> None:
-    """--save-model: rank 0 writes the model's state_dict (moved to CPU if it lives on a GPU)."""
-    if cfg.save_model and rank == 0:
+    """--save-model (the loop calls it only then): rank 0 writes the model's state_dict (moved to CPU if it lives on
+    a GPU)."""
+    if rank == 0:
         if any(v.device.type != "cpu" for v in state.values()):
             state = {k: v.cpu() for k, v in state.items()}
         torch.save(state, cfg.save_model)

@@ -50,14 +50,11 @@ def hybrid_extras(ps_modules: list[str], sparse_stats: dict, dense_ring_bytes: i
 class Hybrid(Strategy):
     collective = True
     needs_servers = True
-    takes_ddp_hook = dynamic_tables = True
+    takes_ddp_hook = dynamic_tables = needs_embeddings = True
 
     @classmethod
     def validate(cls, cfg, workload_cls) -> None:
         super().validate(cfg, workload_cls)
-        if not workload_cls.has_embeddings:
-            raise ValueError(f"--mode hybrid needs a model with embeddings: use --workload ctr, not "
-                             f"{workload_cls.name}")
         if cfg.sync not in ("bsp", "asp"):
             raise ValueError(f"hybrid mode supports --sync bsp or asp, not {cfg.sync}")
         check_table_model_hook(cfg.ddp_hook, workload_cls.name)

@@ -63,6 +63,7 @@ class Strategy:
     local_updates = False   # --local-steps / --stream-fragments / --overlap-steps
     sparse_tables = False   # --sparse-embeddings
     dynamic_tables = False  # --embedding-dynamic
+    needs_embeddings = False  # trains a model's embedding tables its own way (hybrid, torchrec): --workload ctr
     gpu = False             # --device cuda / auto puts its model on a GPU (else it trains on the CPU)
 
     @classmethod
@@ -75,6 +76,9 @@ class Strategy:
                              f"--ddp-hook localsgd:period=H)")
         if cfg.device == "cuda" and not cls.gpu:
             raise ValueError(f"--device cuda applies to --mode ps / allreduce; --mode {cls.name} trains on the CPU")
+        if cls.needs_embeddings and not workload_cls.has_embeddings:
+            raise ValueError(f"--mode {cls.name} needs a model with embeddings: use --workload ctr, not "
+                             f"{workload_cls.name}")
         if cfg.embedding_dynamic and not cls.dynamic_tables:
             raise ValueError(f"--embedding-dynamic: a table without a row count lives on the shards (--mode hybrid), "
                              f"not --mode {cls.name}")

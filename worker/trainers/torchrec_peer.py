@@ -110,14 +110,11 @@ def write_initial_rows(dmp, spec) -> int:
 @register("torchrec")
 class TorchRec(Strategy):
     collective = True
-    takes_ddp_hook = True
+    takes_ddp_hook = needs_embeddings = True
 
     @classmethod
     def validate(cls, cfg, workload_cls) -> None:
         super().validate(cfg, workload_cls)
-        if not workload_cls.has_embeddings:
-            raise ValueError(f"--mode torchrec needs a model with embeddings: use --workload ctr, not "
-                             f"{workload_cls.name}")
         if cfg.sync != "bsp":
             raise ValueError(f"--mode torchrec is synchronous (--sync bsp), not {cfg.sync}")
         if cfg.torchrec_sharding not in ("auto", *TORCHREC_SHARDINGS):
