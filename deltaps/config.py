@@ -129,6 +129,10 @@ class TrainConfig:
     layers: int = option(2, "MLP hidden layers")
     seed: int = option(0, "random seed (model init, data order)")
     timeout_s: float = option(120.0, "longest a push/pull/barrier may wait, seconds")
+    heartbeat_s: float = option(
+        -1.0,
+        "--mode ps: send the shards a heartbeat every this many seconds, so a dead worker (silent for 4 beats) is "
+        "evicted within seconds and rounds stop waiting for it; -1 = 0.5 under --sync quorum, else off; 0 = off")
     reconnect_deadline_s: float = option(
         60.0,
         "fail with an error naming the shard after it was unreachable this long, seconds")
@@ -242,6 +246,8 @@ class TrainConfig:
             raise ValueError(f"want 1 <= --min-workers {lo} <= --workers {self.workers} <= --max-workers {hi}")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
+        if not (self.heartbeat_s == -1 or 0 <= self.heartbeat_s < float("inf")):
+            raise ValueError(f"--heartbeat-s must be -1 (auto), 0 (off) or a number of seconds, got {self.heartbeat_s}")
         self._validate_local_updates()
         from deltaps.layout import role_for_buffers
         role_for_buffers(self.buffer_sync)
@@ -262,6 +268,14 @@ class TrainConfig:
                 raise ValueError("--overlap-steps needs --local-steps > 0")
             overlap_steps(self.local_steps, self.stream_fragments, self.overlap_steps)
         outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum)
+
+    @property
+    def heartbeat(self) -> float:
+        """Seconds between a PS worker's heartbeats (0: none): --heartbeat-s, where -1 means 0.5 under --sync quorum
+        (a round must not wait long for the dead) and off otherwise (--worker-timeout alone evicts)."""
+        if self.heartbeat_s != -1:
+            return self.heartbeat_s
+        return 0.5 if self.sync.startswith("quorum") else 0.0
 
     def straggler_of(self, rank: int) -> float:
         """The compute slow-down factor of `rank` under --straggler (1.0: not the straggler)."""

@@ -16,10 +16,11 @@ log = logging.getLogger("deltaps.shard")
 
 
 PAUSE_LOG_EVERY_S = 30.0
+ABSENT_BEATS = 4        # a worker that heartbeats (RegisterRequest.heartbeat_s) is evicted after this many beats of silence
 
 
 class Membership:
-    """Needs from the shard: lock, members, keys, live, job, last_seen, counters, worker_timeout_s, _barriers,
+    """Needs from the shard: lock, members, keys, live, job, last_seen, beat_s, counters, worker_timeout_s, _barriers,
     _barrier_cond, in_barrier, rounds, stopped, _reaper, checkpointing, durable_hist, shard_id, and the
     step-completion hooks _maybe_complete_step / _publish, _require_job."""
 
@@ -98,22 +99,48 @@ class Membership:
             self._barrier_cond.notify_all()
         return True
 
+    def silence_limit(self, worker: int) -> tuple[float, str]:
+        """How long `worker` may be silent before it is evicted, and which rule says so: --worker-timeout, or
+        ABSENT_BEATS of the heartbeat it registered with, whichever is shorter ((inf, "") when neither applies)."""
+        limits = [(self.worker_timeout_s, f"--worker-timeout {self.worker_timeout_s:g}s")]
+        beat = self.beat_s.get(worker, 0.0)
+        limits.append((ABSENT_BEATS * beat, f"{ABSENT_BEATS} heartbeats of {beat:g}s"))
+        return min(((t, why) for t, why in limits if t > 0), default=(float("inf"), ""))
+
     def evict_silent(self) -> list[int]:
-        """Evict every live worker silent (no RPC, no waiting RPC) for longer than worker_timeout_s."""
-        if self.worker_timeout_s <= 0 or self.job is None:
+        """Evict every live worker silent (no RPC, no waiting RPC, no heartbeat) for longer than its silence limit."""
+        if self.job is None:
             return []
         now = time.monotonic()
-        gone = [w for w in sorted(self.live) if now - self.last_seen.get(w, now) > self.worker_timeout_s]
-        return [w for w in gone
-                if self.evict(w, f"silent for {now - self.last_seen.get(w, now):.1f}s > --worker-timeout "
-                                 f"{self.worker_timeout_s:g}s")]
+        gone = []
+        for w in sorted(self.live):
+            silent, (limit, why) = now - self.last_seen.get(w, now), self.silence_limit(w)
+            if silent > limit and self.evict(w, f"silent for {silent:.1f}s > {why}"):
+                gone.append(w)
+        return gone
 
-    def start_reaper(self) -> None:
-        """Background thread running evict_silent() (no-op without a worker timeout)."""
-        if self.worker_timeout_s <= 0 or self._reaper is not None:
+    def start_reaper(self, limit_s: float | None = None) -> None:
+        """Background thread running evict_silent(), ticking five times per limit_s (default: the worker timeout);
+        a no-op without a limit or when it runs already."""
+        limit_s = self.worker_timeout_s if limit_s is None else limit_s
+        if limit_s <= 0 or self._reaper is not None:
             return
-        self._reaper = start_reaper(f"shard{self.shard_id}-reaper", reaper_tick(self.worker_timeout_s),
-                                    self.evict_silent, log)
+        self._reaper = start_reaper(f"shard{self.shard_id}-reaper", reaper_tick(limit_s), self.evict_silent, log)
+
+    def heartbeat(self, worker: int) -> bool:
+        """A worker's heartbeat: it is alive (touch). Returns whether it is a live member (False: evicted; it
+        rejoins with its next push, which is refused with NOT_LIVE_MEMBER and re-registers)."""
+        job = self._require_job()
+        if not 0 <= worker < max(job.world_size, job.max_workers):
+            raise ShardError("INVALID_ARGUMENT", f"Heartbeat from worker {worker}: outside the job's worker ids")
+        self.touch(worker)
+        return worker in self.live
+
+    def expect_heartbeats(self, worker: int, beat_s: float) -> None:
+        """Register (checked there): `worker` heartbeats every beat_s (0: it does not; --worker-timeout alone applies)."""
+        self.beat_s[worker] = beat_s
+        if beat_s > 0:
+            self.start_reaper(ABSENT_BEATS * beat_s)
 
     def _check_same_job(self, worker, world_size, mode, opt, digest, pull_codec="auto", min_workers=0,
                         max_workers=0, local_steps=0) -> None:

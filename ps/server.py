@@ -49,7 +49,8 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         initialized = self.shard.register(req.worker_id, req.world_size, req.num_shards, req.sync,
                                           OptimizerConfig.from_proto(req.optimizer), keys, req.layout_digest,
                                           req.codec or "none", req.pull_codec or "auto", req.min_workers,
-                                          req.max_workers, local_steps=req.local_steps)
+                                          req.max_workers, local_steps=req.local_steps,
+                                          heartbeat_s=req.heartbeat_s)
         log.info("worker %d registered (world %d, sync %s, %d keys)", req.worker_id, req.world_size, req.sync,
                  len(keys))
         return pb.RegisterResponse(shard_id=self.shard.shard_id, initialized=initialized,
@@ -146,6 +147,13 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     @_guard
     def Stop(self, req, context):
         return pb.StopResponse(first=self.shard.stop(req.worker_id, req.step, req.time_s, req.reason))
+
+    @_guard
+    def Heartbeat(self, req, context):
+        rep = pb.HeartbeatResponse(live=self.shard.heartbeat(req.worker_id))
+        if self.shard.stopped is not None:
+            rep.stopped.CopyFrom(pb.StopRequest(**self.shard.stopped))
+        return rep
 
     @_guard
     def Stats(self, req, context):

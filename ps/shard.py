@@ -48,6 +48,7 @@ class Shard(Membership):
         self.worker_timeout_s = worker_timeout_s   # > 0: evict live workers silent for longer than this
         self.nonfinite = nonfinite                 # reject (INVALID_ARGUMENT) | skip (ack, not applied)
         self.last_seen: dict[int, float] = {}      # worker -> monotonic time of its last RPC
+        self.beat_s: dict[int, float] = {}         # worker -> its heartbeat interval (Register; 0: none)
         self.checkpointing = False                 # set by ps.durability.Checkpointer
         self.durable_hist: deque = deque(maxlen=2)  # {worker: durable step} of the newest 2 checkpoints
         self.checkpoint_version = -1               # min key version of the latest checkpoint (-1: none)
@@ -74,7 +75,7 @@ class Shard(Membership):
     # ---- membership -------------------------------------------------------------------------
     def register(self, worker: int, world_size: int, num_shards: int, sync: str, opt: OptimizerConfig,
                  keys: list[Key], digest: str, codec: str, pull_codec: str = "auto", min_workers: int = 0,
-                 max_workers: int = 0, *, local_steps: int = 0) -> bool:
+                 max_workers: int = 0, *, local_steps: int = 0, heartbeat_s: float = 0.0) -> bool:
         """Admit a worker (the first one defines the job). local_steps > 0: a local-update job; its pushes
         are parameter deltas (anchor - local model) and opt is the outer optimizer (docs/local-updates.md)."""
         if num_shards != self.num_shards:
@@ -88,6 +89,8 @@ class Shard(Membership):
                                                  f"<= --max-workers {max_workers} (0: 1 and the world size)")
         if local_steps < 0:
             raise ShardError("INVALID_ARGUMENT", f"--local-steps must be >= 0, got {local_steps}")
+        if not 0 <= heartbeat_s < float("inf"):
+            raise ShardError("INVALID_ARGUMENT", f"heartbeat_s must be a finite number >= 0, got {heartbeat_s}")
         try:
             mode = parse_sync(sync)
             opt.validate()
@@ -120,6 +123,7 @@ class Shard(Membership):
                 self._admit(worker)
             self.restored = False
             self.touch(worker)
+            self.expect_heartbeats(worker, heartbeat_s)
             return all(ks.initialized for ks in self.keys.values())
 
     def _start_rounds(self) -> None:

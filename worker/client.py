@@ -7,6 +7,7 @@ import zlib
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import torch
 
@@ -54,7 +55,7 @@ class PSClient:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout_s: float = 300.0, pull_codec: str = "auto", security=None,
                  reconnect_deadline_s: float = 60.0, replay_steps: int = 256, min_workers: int = 0,
-                 max_workers: int = 0, local_steps: int = 0):
+                 max_workers: int = 0, local_steps: int = 0, heartbeat_s: float = 0.0):
         if not servers:
             raise ValueError("at least one server address is needed")
         check_message_limits(chunk_bytes, max_message_bytes)
@@ -97,6 +98,8 @@ class PSClient:
         self.sessions = [ShardSession(self.stubs[i], addr, i, policy, self.closed, self.on_shard_restart)
                          for i, addr in enumerate(self.servers)]
         self.start_step = 0        # min over shards of RegisterResponse.step: where a (re)joining worker starts
+        self.heartbeat_s = heartbeat_s   # > 0: a thread tells every shard this worker is alive (ps/membership.py)
+        self._beats: threading.Thread | None = None
 
     # ---- setup -----------------------------------------------------------------------------
     def setup(self, named: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]] = (),
@@ -123,10 +126,14 @@ class PSClient:
                                      world_size=self.world_size, num_shards=len(self.servers), sync=str(self.sync),
                                      optimizer=opt_msg, keys=keys, layout_digest=digest, codec=self.codec,
                                      pull_codec=self.pull_codec, min_workers=self.min_workers,
-                                     max_workers=self.max_workers, local_steps=self.local_steps)
+                                     max_workers=self.max_workers, local_steps=self.local_steps,
+                                     heartbeat_s=self.heartbeat_s)
             return self.sessions[shard].register(req)
 
         replies = list(self.pool.map(register, range(len(self.servers))))
+        if self.heartbeat_s > 0 and self._beats is None:
+            self._beats = threading.Thread(target=self._heartbeats, name="ps-heartbeat", daemon=True)
+            self._beats.start()
         if replies:
             self._note_codec(replies[0].codec, replies[0].codec_epoch)
             self.start_step = min(rep.step for rep in replies)
@@ -270,8 +277,7 @@ class PSClient:
         if rep.live_workers:
             self.live_workers = list(rep.live_workers)
         if rep.HasField("stopped") and self.job_stop is None:
-            st = rep.stopped
-            self.job_stop = {"worker_id": st.worker_id, "step": st.step, "time_s": st.time_s, "reason": st.reason}
+            self._note_stop(rep.stopped)
         return rep.waited_s
 
     def pull(self, names=None, min_version: int = 0, out: dict[str, torch.Tensor] | None = None,
@@ -308,6 +314,22 @@ class PSClient:
         futs = [self.pool.submit(sess.call, "Barrier", lambda: req, t + 10) for sess in self.sessions]
         return max(f.result().waited_s for f in futs)
 
+    def _heartbeats(self) -> None:
+        """Every heartbeat_s until close(): one Heartbeat per shard. A missed beat is not an error (the shard may
+        evict this worker after 4; its next push then re-registers); a stop it carries is taken as a pull's."""
+        req = pb.HeartbeatRequest(worker_id=self.worker_id)
+        while not self.closed.wait(self.heartbeat_s):
+            for stub in self.stubs:
+                try:
+                    rep = stub.Heartbeat(req, timeout=max(1.0, 2 * self.heartbeat_s))
+                except grpc.RpcError:
+                    continue
+                if rep.HasField("stopped") and self.job_stop is None:
+                    self._note_stop(rep.stopped)
+
+    def _note_stop(self, st) -> None:
+        self.job_stop = {"worker_id": st.worker_id, "step": st.step, "time_s": st.time_s, "reason": st.reason}
+
     def stop(self, step: int, time_s: float, reason: str) -> bool:
         """Stop the job on every shard (--sync quorum: this worker's evaluation reached the target); the other
         workers learn it from their next pull. True if this was the job's first stop."""
@@ -334,6 +356,8 @@ class PSClient:
 
     def close(self) -> None:
         self.closed.set()
+        if self._beats is not None:
+            self._beats.join(timeout=2 * self.heartbeat_s + 1.0)
         self.pool.shutdown(wait=True)
         for ch in self.channels:
             ch.close()

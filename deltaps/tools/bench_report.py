@@ -62,13 +62,14 @@ CURVE_EXTRAS = ("table_rows_live",)      # what a mode's evaluations also record
 def eval_fields(results: list[dict]) -> dict:
     """A mode's time-to-accuracy fields from its workers' result dicts ({} when they did not evaluate).
     The curve: rank 0's accuracies (the same on every rank in the sync modes) at the largest rank's clock, over
-    the ranks that evaluated (under --sync quorum rank 0 alone; the others take its stop: worker/trainers/ps.py)."""
+    the ranks that recorded evaluations (under --sync quorum rank 0 alone judges; the others take its stop:
+    worker/trainers/ps.py)."""
     if not any("evals" in r for r in results):
         return {}
     reached = [r["time_to_target_s"] for r in results if r.get("time_to_target_s") is not None]
     all_reached = len(reached) == len(results)
     metric = metric_of(results[0])
-    judges = [r for r in results if r.get("evals")] or results    # quorum rounds: rank 0 alone evaluates
+    judges = [r for r in results if r.get("evals")] or results    # quorum rounds: rank 0 alone judges
     curve = [{"step": pts[0]["step"], "time_s": max(p["time_s"] for p in pts), metric: pts[0][metric],
               **{k: pts[0][k] for k in CURVE_EXTRAS if k in pts[0]}} for pts in zip(*(r["evals"] for r in judges))]
     return {"time_to_target_s": max(reached) if all_reached else None,

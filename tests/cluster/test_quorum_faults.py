@@ -1,5 +1,5 @@
-"""Quorum rounds with real processes: a worker killed (kill -9) mid-job costs only its contribution — the others'
-rounds go on within the grace window, long before the shards evict it (--worker-timeout)."""
+"""Quorum rounds with real processes: a worker killed (kill -9) mid-job costs only its contribution — its heartbeats
+stop, the shards evict it within seconds (long before --worker-timeout) and the others' rounds go on."""
 import json
 import signal
 import subprocess
@@ -24,9 +24,12 @@ def test_a_killed_worker_does_not_stall_the_rounds(procs, tmp_path):
     workers[2].wait(10)
     killed = time.monotonic()
     v0 = stats(addrs[0]).min_version
-    wait_version(addrs[0], v0 + 5, timeout=EVICT_S / 2)      # rounds go on without it, well before its eviction
+    wait_version(addrs[0], v0 + 5, timeout=EVICT_S / 2)      # rounds go on without it, well before --worker-timeout
     assert time.monotonic() - killed < EVICT_S / 2
-    assert 2 in stats(addrs[0]).live_workers, "the rounds went on before the dead worker was evicted"
+    while 2 in stats(addrs[0]).live_workers and time.monotonic() - killed < EVICT_S / 2:
+        time.sleep(0.1)
+    assert time.monotonic() - killed < 4.0     # 4 missed heartbeats of 0.5 s (the quorum default) evicted it
+    assert stats(addrs[0]).evictions == 1
     for w in workers[:2]:
         assert w.wait(240) == 0, procs.tail()
     st = stats(addrs[0])
@@ -50,7 +53,8 @@ def test_a_quorum_job_with_a_straggler_stops_everywhere_at_rank_0s_target(tmp_pa
     assert stop is not None and ranks[0]["final_test_accuracy"] >= 0.9        # the judged model is the result
     assert all(r["steps_to_target"] == stop and r["time_to_target_s"] == ranks[0]["time_to_target_s"] for r in ranks)
     assert all(r["steps"] < 2000 for r in ranks)                               # nobody trained on to --steps
-    assert [bool(r.get("evals")) for r in ranks] == [True, False, False]       # rank 0 alone evaluates
+    assert [bool(r.get("evals")) for r in ranks] == [True, False, False]       # rank 0 alone judges,
+    assert all(r["unjudged_evals"] > 0 and r["eval_s"] > 0 for r in ranks[1:])   # the others pause to evaluate too
     assert ranks[2]["straggler_achieved_factor"] == pytest.approx(3.0, rel=0.01)
     stats = s["server_stats"]
     assert all(st["stopped"] for st in stats) and sum(st["late_contributions"] for st in stats) > 0

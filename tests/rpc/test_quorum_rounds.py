@@ -187,3 +187,40 @@ def test_a_worker_in_a_barrier_does_not_hold_up_the_last_one_training(cluster_fa
     assert done and c.shards[0].stats()["max_version"] == 1
     for cl in (w0, w1):
         cl.close()
+
+
+def test_a_dead_worker_that_stops_beating_is_evicted_and_stops_holding_rounds(cluster_factory):
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:3:grace=0", heartbeat_s=0.1)
+    time.sleep(0.8)                               # 8 beats of nothing but computing: nobody is evicted for it
+    assert c.shards[0].live == {0, 1, 2}
+    w0.push({"w": torch.ones(N)}, 0)
+    w1.push({"w": torch.full((N,), 3.0)}, 0)
+    t0 = time.monotonic()
+    w2.close()                                    # worker 2 dies: no push, no beat (its round-0 delta never comes)
+    assert torch.equal(w0.pull(min_version=1)["w"], -torch.full((N,), 2.0))   # round 0 closed with the other two
+    waited = time.monotonic() - t0
+    assert waited < 2.0, waited                   # 4 beats of 0.1 s and a reaper tick, not --worker-timeout
+    st = c.shards[0].stats()
+    assert st["evictions"] == 1 and c.shards[0].live == {0, 1}
+    back = client(c.addrs, 2, 3, sync="quorum:3:grace=0", opt=AVG, local_steps=4, heartbeat_s=0.1)
+    back.setup([("w", torch.zeros(N))])           # the restarted worker rejoins and pushes the open round
+    assert c.shards[0].live == {0, 1, 2} and back.start_step == 1
+    for cl in (w0, w1, back):
+        cl.push({"w": torch.ones(N)}, 1)
+    assert torch.equal(back.pull(min_version=2)["w"], -torch.full((N,), 3.0))
+    for cl in (w0, w1, back):
+        cl.close()
+
+
+def test_heartbeats_refuse_what_is_not_a_worker_of_the_job(cluster_factory):
+    c, (w0,) = _job(cluster_factory, 1, "quorum:1", heartbeat_s=0.1)
+    with pytest.raises(grpc.RpcError) as e:
+        w0.stubs[0].Heartbeat(pb.HeartbeatRequest(worker_id=7), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "worker 7" in e.value.details()
+    assert w0.stubs[0].Heartbeat(pb.HeartbeatRequest(worker_id=0), timeout=5).live
+    bad = client(c.addrs, 0, 1, sync="quorum:1", opt=AVG, local_steps=4, heartbeat_s=float("nan"))
+    with pytest.raises(PSError) as e:
+        bad.setup([("w", torch.zeros(N))])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "heartbeat_s" in str(e.value)
+    for cl in (w0, bad):
+        cl.close()

@@ -168,6 +168,21 @@ def test_a_due_evaluation_waits_for_a_synced_model(monkeypatch):
     assert [e["step"] for e in run.evals] == [3, 6, 9]
 
 
+def test_a_rank_that_does_not_judge_evaluates_off_its_clock_and_stops_nothing(monkeypatch):
+    run, clock = _recorder(monkeypatch, steps=6, eval_every=2, target_accuracy=0.5)
+
+    def evaluate():
+        clock.t += 3.0                                   # as long as the judge's: the rank pauses as a peer's would
+        return {"test_accuracy": 0.99}
+    for _ in run.steps():
+        clock.t += 1.0
+        run.record(1.0)
+        assert run.evaluate(evaluate, judges=False) is False
+    d = run.result(final_test_accuracy=0.99, model_params=1).to_dict()
+    assert d["steps"] == 6 and d["steps_to_target"] is None and d["evals"] == []   # trained on; the judge stops it
+    assert d["unjudged_evals"] == 3 and d["eval_s"] == pytest.approx(9.0) and run.wall_s == pytest.approx(6.0)
+
+
 # ---- bench compare's report ---------------------------------------------------------------------------
 def _mode(t, acc, steps=None, delta=0.0):
     return {"time_to_target_s": t, "steps_to_target": steps, "final_test_accuracy": acc, "median_step_s": 0.1,

@@ -77,7 +77,7 @@ def distributed_optimizer(cfg: TrainConfig, model, servers: list[str], rank: int
     return DistributedOptimizer(local_optimizer(cfg, model.parameters()), model, servers=servers, rank=rank,
                                 world_size=world_size, codec=cfg.codec, pull_codec=cfg.pull_codec,
                                 compressor=make_compressor(cfg), bucket_bytes=cfg.bucket_bytes,
-                                **ClientOptions.from_config(cfg, security).kwargs(),
+                                **ClientOptions.from_config(cfg, security).kwargs(), heartbeat_s=cfg.heartbeat,
                                 min_workers=cfg.min_workers, max_workers=cfg.max_workers, buffers=cfg.buffer_sync,
                                 local_steps=cfg.local_steps, stream_fragments=cfg.stream_fragments, outer=outer,
                                 overlap_steps=None if cfg.overlap_steps < 0 else cfg.overlap_steps)
@@ -212,6 +212,7 @@ class RunRecorder:
         # evaluation during training: never on the clock (eval_s is subtracted from every training time)
         self.evals: list[dict] = []
         self.eval_s = 0.0
+        self.unjudged_evals = 0                  # evaluations run but not judged (--sync quorum, ranks > 0)
         self.steps_to_target: int | None = None
         self.time_to_target_s: float | None = None
         self.stopped_at: int | None = None      # the step the loop ended after, when an evaluation ended it early
@@ -301,12 +302,14 @@ class RunRecorder:
         """Seconds of the training loop so far, evaluations left out."""
         return time.perf_counter() - self._t_start - self.eval_s
 
-    def evaluate(self, evaluation_fn, synced: bool = True) -> bool:
+    def evaluate(self, evaluation_fn, synced: bool = True, judges: bool = True) -> bool:
         """After `record()`: every cfg.eval_every steps run `evaluation_fn()` (-> the workload's evaluation
         dict, with the metric: test accuracy, test AUC, ...), timed apart from training. synced: every rank
         holds the same model now (DDP: always; local SGD / PS local updates: right after an average); a due
         evaluation waits for the next synced step. Returns True when this one reached the target (the workload's
-        target field, judged by `reaches`): `steps()` then ends the loop."""
+        target field, judged by `reaches`): `steps()` then ends the loop.
+        judges=False (--sync quorum, ranks > 0): the evaluation runs and its time is off the clock, as everywhere,
+        but it is not recorded and stops nothing: rank 0 judges for the job (`stop_with`)."""
         every, done = self.cfg.eval_every, self._step + 1
         if not every:
             return False
@@ -318,6 +321,9 @@ class RunRecorder:
         train_s = t0 - self._t_start - self.eval_s
         evaluation = evaluation_fn()
         self.eval_s += time.perf_counter() - t0
+        if not judges:
+            self.unjudged_evals += 1
+            return False
         self.evals.append({"step": done, "time_s": train_s, **evaluation})
         reached = bool(self.target) and self.reaches(evaluation, self.target)
         if self.cfg.eval_log:
@@ -335,7 +341,8 @@ class RunRecorder:
         """The result keys of evaluation during training (RunResult.extras); {} when --eval-every is off."""
         if not self.cfg.eval_every:
             return {}
-        return {"evals": list(self.evals), "eval_s": self.eval_s, self.target_key: self.target or None,
+        return {"evals": list(self.evals), "eval_s": self.eval_s, "unjudged_evals": self.unjudged_evals,
+                self.target_key: self.target or None,
                 "time_to_target_s": self.time_to_target_s, "steps_to_target": self.steps_to_target}
 
     def result(self, *, final_test_accuracy: float, model_params: int, samples: float | None = None,

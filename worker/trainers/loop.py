@@ -66,7 +66,7 @@ def _steps(strategy, run: RunRecorder, ctx: RunContext, slow: float = 1.0) -> No
         step_s = run.record(out.loss, wire_bytes=out.wire_bytes, end=out.end)
         if ctx.metrics is not None and out.loss is not None:
             ctx.metrics.on_step(step_s, out.loss, len(batch[1]))
-        run.evaluate(lambda: strategy.evaluate(step), synced=strategy.synced)
+        run.evaluate(lambda: strategy.evaluate(step), synced=strategy.synced, judges=strategy.judges)
 
 
 def peak_rss_bytes() -> int:

@@ -131,9 +131,15 @@ class ParameterServer(Strategy):
 
     @property
     def synced(self) -> bool:
-        # bsp: every rank pulled the same global model (local updates: after a round); quorum: the ranks' rounds
-        # differ, rank 0 alone evaluates and stops the job for all (finish)
-        return self.opt.synced and (self.rank == 0 or not self.quorum)
+        # bsp: every rank pulled the same global model (local updates: after a round); quorum: the global model
+        # this rank last pulled (the ranks' rounds differ)
+        return self.opt.synced
+
+    @property
+    def judges(self) -> bool:
+        # quorum: rank 0 alone judges and stops the job for all (finish); the others evaluate too, off their clocks,
+        # so no rank trains on while another evaluates (a bsp or torchft rank waits for everyone's evaluation)
+        return self.rank == 0 or not self.quorum
 
     def evaluate(self, step: int) -> dict:
         with self.opt.global_model():   # what step() pulled; local-update jobs: the shards' model as last pulled

@@ -9,6 +9,8 @@ Contract (one instance per worker run, driven by worker/trainers/loop.py):
 * `train_step(run, step, batch) -> StepOutcome` — one step: forward, backward, exchange; it reports its time
   blocked on communication to `run.comm`;
 * `synced` — every rank holds the same model now (evaluations that may stop the job wait for it);
+* `judges` — this rank's evaluations may stop the job (default: every rank's; under --sync quorum rank 0's alone,
+  the others evaluate their own global model all the same, so every rank pauses for evaluations as a peer's do);
 * `evaluate(step)` — the workload's evaluation of the global model after `step` (off the clock);
 * `finish(run) -> dict` — after the last step: bring `self.model` to the job's final model and return the
   RunResult fields the mode reports (bytes, codec, extras, samples); `model_state()` — its state_dict;
@@ -140,6 +142,10 @@ class Strategy:
 
     @property
     def synced(self) -> bool:
+        return True
+
+    @property
+    def judges(self) -> bool:
         return True
 
     def evaluate(self, step: int) -> dict:
