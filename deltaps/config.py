@@ -209,6 +209,12 @@ class TrainConfig:
         False,
         "allreduce mode, ctr workload: nn.Embedding(sparse=True) tables, their sparse gradients reduced by DDP over "
         "gloo and stepped by a sparse optimizer (bench compare's ddp:sparse; SparseAdam for adam)")
+    ddp_checkpoint_dir: str = option(
+        "",
+        "--mode allreduce: resume from the checkpoint here if there is one, and rank 0 writes one (model, optimizers, "
+        "step, training clock, evaluations) every --ddp-checkpoint-every steps — what a DDP job restarted by "
+        "torchrun's elastic agent needs (bench compare's ddp-elastic); empty = off")
+    ddp_checkpoint_every: int = option(16, "--mode allreduce with --ddp-checkpoint-dir: steps between checkpoints")
     torchrec_sharding: str = option(
         "auto",
         "--mode torchrec: how TorchRec's planner shards the tables — auto (its own choice) or the type it must use: "

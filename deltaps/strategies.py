@@ -6,13 +6,16 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
   ddp:<hook>                            DDP with one of torch's comm hooks (hook specs below)
   ddp:sparse[:fp16|bf16]                DDP with nn.Embedding(sparse=True) tables (--sparse-embeddings, --workload
                                         ctr), its dense buckets optionally through the fp16 / bf16 hook
+  ddp-elastic[:fp16|bf16]               DDP as a user runs it on a failing cluster: under torchrun's elastic agent
+                                        (restarts every rank when one dies), resuming from rank 0's checkpoint
+                                        (--ddp-checkpoint-dir; bench compare launches it so)
   ps[:<codec>] | ps-bsp[:<codec>]       synchronous PS, gradients through the codec (default none; the codec spec
                                         is all that follows the first colon: ps:topk:ratio=0.01 -> topk:ratio=0.01)
   ps-asp[:<codec>]                      asynchronous PS
-  ps-local<H>[x<F>][o<tau>][q<Q>][:<codec>][:grace=G][:late=W][:<outer>]
+  ps-local<H>[x<F>][o<tau>][q<Q>][:<codec>][:grace=G][:late=W][:inner=I][:<outer>]
                                         PS local updates: --local-steps H, --stream-fragments F, --overlap-steps
                                         tau (docs/local-updates.md), the deltas through the codec; q<Q>: quorum
-                                        rounds, --sync quorum:Q[:grace=G][:late=equal|discount]
+                                        rounds, --sync quorum:Q[:grace=G][:late=equal|discount][:inner=fixed|adaptive]
   hybrid[:fp16|bf16][:dynamic[:ttl=N][:min_count=M]]
                                         embeddings row-sparse on the PS, the dense part allreduced (--workload
                                         ctr), optionally through the fp16 / bf16 hook; dynamic: tables without a
@@ -60,7 +63,7 @@ MODES = ("ps", "allreduce", "hybrid", "pipeline", "torchft", "torchrec")     # T
 FAMILIES = ("ddp", "ps", "hybrid", "torchft", "torchrec")       # what a mode spec names (bench compare runs these)
 PEER_FAMILIES = ("ddp", "torchft", "torchrec")                  # what users run instead of deltaps: the race's peers
 HALF_HOOKS = ("fp16", "bf16")                         # the hooks ddp:sparse's and hybrid's dense buckets take
-MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ps:<codec>, ps-asp:<codec>, "
+MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ddp-elastic[:fp16|bf16], ps:<codec>, ps-asp:<codec>, "
               "ps-local<H>[x<F>][o<tau>][q<Q>]:<codec>[:grace=G][:outer=..], hybrid[:fp16|bf16][:dynamic[:ttl=N][:min_count=M]], "
               "torchft:diloco:sync=H[:fragments=F][:delay=tau][:alpha=a][:wire=fp32|fp16|bf16][:outer=..] "
               "or torchft:localsgd:sync=H, torchrec[:fp16|bf16][:sharding=S]")
@@ -71,7 +74,7 @@ OUTER_ITEM = re.compile(r"(?:^|[:,])(outer(?:_lr|_momentum)?)=([^:,]*)")
 TORCHREC_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")   # torchrec:sharding= (CPU: no row-wise)
 WIRE_DTYPES = ("fp32", "fp16", "bf16")     # torchft:diloco's wire=: the dtype its pseudo-gradients are allreduced in
 LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?(?:q(\d+))?")
-QUORUM_ITEM = re.compile(r"(?:^|[:,])(grace|late)=([^:,]*)")
+QUORUM_ITEM = re.compile(r"(?:^|[:,])(grace|late|inner)=([^:,]*)")
 
 POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
 LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
@@ -89,6 +92,7 @@ class ModeSpec:
     ddp_hook: str | None = None          # ddp / hybrid: the canonical hook spec (None: DDP's default allreduce)
     algorithm: str | None = None         # torchft: diloco | localsgd
     sparse_embeddings: bool = False      # ddp:sparse
+    elastic: bool = False                # ddp-elastic: under torchrun's elastic restarts, from checkpoints
     outer_optimizer: str | None = None   # local updates: this mode's outer optimizer (None: the job's)
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -135,6 +139,8 @@ class ModeSpec:
     def __str__(self) -> str:
         hook = f":{self.ddp_hook}" if self.ddp_hook else ""
         if self.family == "ddp":
+            if self.elastic:
+                return f"ddp-elastic{hook}"
             return f"ddp:sparse{hook}" if self.sparse_embeddings else f"ddp{hook}" if hook else "allreduce"
         if self.family in ("hybrid", "torchrec"):
             table = ":dynamic" * self.dynamic_table + f":ttl={self.ttl_steps}" * bool(self.ttl_steps) \
@@ -167,6 +173,11 @@ def parse_mode_spec(text: str) -> ModeSpec:
             return ModeSpec("ddp", **_ddp_fields(arg), text=text)
         except ValueError as e:
             raise ValueError(f"mode {text!r}: {e}") from None
+    if head == "ddp-elastic":
+        if arg not in ("", *HALF_HOOKS):
+            raise ValueError(f"mode {text!r}: ddp-elastic takes fp16 or bf16 (hooks without state of their own, which "
+                             f"a checkpoint would miss), or nothing")
+        return ModeSpec("ddp", ddp_hook=arg or None, elastic=True, text=text)
     codec, outer = _outer_fields(arg, text)
     if head in ("ps", "ps-bsp", "ps-asp"):
         if outer:
@@ -206,7 +217,8 @@ def _outer_fields(arg: str, text: str) -> tuple[str, dict]:
 
 
 def _quorum_sync(quorum: str | None, arg: str, text: str) -> tuple[str, str]:
-    """A local-update spec's q<Q>, grace=G and late=W -> (the rest of its argument, its sync mode's canonical spelling)."""
+    """A local-update spec's q<Q>, grace=G, late=W and inner=I -> (the rest of its argument, its sync mode's canonical
+    spelling)."""
     items = QUORUM_ITEM.findall(arg)
     if items and not quorum:
         raise ValueError(f"mode {text!r}: {items[0][0]}= needs quorum rounds (ps-local<H>q<Q>)")

@@ -10,6 +10,8 @@ import logging
 import time
 
 from deltaps.errors import PAUSED, ShardError
+from deltaps.pull_codec import resolve_pull_codec
+from deltaps.sync import parse_sync
 from ps.reaper import reaper_tick, start_reaper
 
 log = logging.getLogger("deltaps.shard")
@@ -48,6 +50,37 @@ class Membership:
                 self.members.notify_all()
                 log.warning("shard %d: worker %d (re)joined the job at step %d; live workers %s", self.shard_id,
                             worker, self.worker_step(worker), sorted(self.live))
+
+    def _check_registration(self, worker, world_size, num_shards, sync, opt, keys, codec, pull_codec, min_workers,
+                            max_workers, local_steps, heartbeat_s):
+        """What a Register request must satisfy before it may define or join the job; returns its sync mode and
+        pull codec."""
+        if num_shards != self.num_shards:
+            raise ShardError("FAILED_PRECONDITION",
+                             f"worker {worker} expects {num_shards} shards, this server is one of {self.num_shards}")
+        if world_size < 1 or not 0 <= worker < max(world_size, max_workers):
+            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} outside world size {world_size}"
+                                                 + (f" / --max-workers {max_workers}" if max_workers else ""))
+        if not (min_workers or 1) <= world_size <= (max_workers or world_size) or min_workers < 0:
+            raise ShardError("INVALID_ARGUMENT", f"want 1 <= --min-workers {min_workers} <= world size {world_size} "
+                                                 f"<= --max-workers {max_workers} (0: 1 and the world size)")
+        if local_steps < 0:
+            raise ShardError("INVALID_ARGUMENT", f"--local-steps must be >= 0, got {local_steps}")
+        if not 0 <= heartbeat_s < float("inf"):
+            raise ShardError("INVALID_ARGUMENT", f"heartbeat_s must be a finite number >= 0, got {heartbeat_s}")
+        try:
+            mode = parse_sync(sync)
+            opt.validate()
+            pull_spec = resolve_pull_codec(pull_codec, codec)
+        except ValueError as e:
+            raise ShardError("INVALID_ARGUMENT", str(e)) from None
+        if mode.kind == "quorum" and not local_steps:
+            raise ShardError("INVALID_ARGUMENT", f"--sync {mode} is for local-update jobs (--local-steps H > 0): a "
+                                                 f"round's late deltas fold into the next one, gradients would not")
+        for k in keys:
+            if k.shard != self.shard_id:
+                raise ShardError("INVALID_ARGUMENT", f"key {k.key} belongs to shard {k.shard}, not {self.shard_id}")
+        return mode, pull_spec
 
     def worker_step(self, worker: int) -> int:
         """The step this worker pushes next on this shard (min over keys); a (re)joining worker starts here."""

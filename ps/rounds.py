@@ -9,7 +9,10 @@ counts toward its quorum. A round that cannot reach its quorum (more dead worker
 by --worker-timeout) closes with what it has once it has been open STARVED x the recent open-to-quorum span (at
 least STARVED_MIN_S and twice the grace window).
 Every contribution has the same weight: each covers H inner steps of the same batch
-size, i.e. the same samples; the mean is over contributions. A worker that pulled version v may push round v
+size, i.e. the same samples; the mean is over contributions (late=discount: a late one's is 1 / (1 + staleness);
+inner=adaptive: a slow worker's delta covering fewer inner steps weighs that share of H, and the quorum counts
+those shares, so a few steps of a slow worker never close a round in place of a full one).
+A worker that pulled version v may push round v
 next, skipping the rounds it missed (a joiner does the same). A dead worker costs its own contribution; its
 eviction (--worker-timeout) only shrinks the set that closes a round at once. With Q = all and G = 0 a
 round is exactly a bsp step.
@@ -41,12 +44,14 @@ class QuorumRounds:
         self.deadline: dict[str, float] = {}    # key -> end of the open round's grace window (quorum reached)
         self.spans: dict[str, deque] = {}       # key -> recent open-to-quorum times
         self.starve_at: dict[str, float] = {}   # key -> when its open round closes short of its quorum
+        self.shares: dict[str, float] = {}      # key -> shares of a full round its open round's contributions cover
 
-    def contributed(self, ks: KeyState) -> None:
-        """A contribution arrived (the first of a round opens it, if no close did: the job's first round); the
-        round's first contribution arms the starvation timer."""
+    def contributed(self, ks: KeyState, share: float = 1.0) -> None:
+        """A contribution covering `share` of a full round arrived (the first of a round opens it, if no close did:
+        the job's first round); the round's first contribution arms the starvation timer."""
         key = ks.spec.key
         self.opened_at.setdefault(key, time.monotonic())
+        self.shares[key] = self.shares.get(key, 0.0) + share
         if len(ks.agg_from) == 0 and self.spans.get(key):
             wait = max(STARVED * statistics.median(self.spans[key]), STARVED_MIN_S, 2 * self.grace_s(key))
             self.starve_at[key] = self.opened_at[key] + wait
@@ -58,7 +63,7 @@ class QuorumRounds:
         quorum starts the window (a timer closes the round when it ends)."""
         if live <= ks.agg_from:
             return True
-        if len(ks.agg_from) < self.sync.quorum_of(len(live)):
+        if self.sync.counted(len(ks.agg_from), self.shares.get(ks.spec.key, 0.0)) < self.sync.quorum_of(len(live)) - 1e-9:
             return time.monotonic() >= self.starve_at.get(ks.spec.key, float("inf"))   # the dead hold no round
         key, now = ks.spec.key, time.monotonic()
         if key not in self.deadline:
@@ -86,6 +91,7 @@ class QuorumRounds:
         """The open round of `ks` was applied: the next one opens now."""
         self.deadline.pop(ks.spec.key, None)
         self.starve_at.pop(ks.spec.key, None)
+        self.shares.pop(ks.spec.key, None)
         self.opened_at[ks.spec.key] = time.monotonic()
 
     def _wait_over(self, ks: KeyState, version: int, ends: dict[str, float]) -> None:

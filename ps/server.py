@@ -103,7 +103,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
             grads.append((c.key, g))
             nbytes += n
         self.shard.counters["bytes_received"] += nbytes
-        dup, versions = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions))
+        dup, versions = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions), req.inner_steps)
         rep.duplicate.extend(dup)
         rep.versions.extend(versions)
         rep.server_id, rep.durable_step = self.shard.server_id, self.shard.durable_step(req.worker_id)

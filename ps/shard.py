@@ -21,7 +21,6 @@ from deltaps.errors import NOT_LIVE_MEMBER, PAUSED, ShardError
 from deltaps.layout import Key
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.pull_codec import FULL, UNCHANGED, resolve_pull_codec
-from deltaps.sync import parse_sync
 from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
@@ -78,31 +77,8 @@ class Shard(Membership):
                  max_workers: int = 0, *, local_steps: int = 0, heartbeat_s: float = 0.0) -> bool:
         """Admit a worker (the first one defines the job). local_steps > 0: a local-update job; its pushes
         are parameter deltas (anchor - local model) and opt is the outer optimizer (docs/local-updates.md)."""
-        if num_shards != self.num_shards:
-            raise ShardError("FAILED_PRECONDITION",
-                             f"worker {worker} expects {num_shards} shards, this server is one of {self.num_shards}")
-        if world_size < 1 or not 0 <= worker < max(world_size, max_workers):
-            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} outside world size {world_size}"
-                                                 + (f" / --max-workers {max_workers}" if max_workers else ""))
-        if not (min_workers or 1) <= world_size <= (max_workers or world_size) or min_workers < 0:
-            raise ShardError("INVALID_ARGUMENT", f"want 1 <= --min-workers {min_workers} <= world size {world_size} "
-                                                 f"<= --max-workers {max_workers} (0: 1 and the world size)")
-        if local_steps < 0:
-            raise ShardError("INVALID_ARGUMENT", f"--local-steps must be >= 0, got {local_steps}")
-        if not 0 <= heartbeat_s < float("inf"):
-            raise ShardError("INVALID_ARGUMENT", f"heartbeat_s must be a finite number >= 0, got {heartbeat_s}")
-        try:
-            mode = parse_sync(sync)
-            opt.validate()
-            pull_spec = resolve_pull_codec(pull_codec, codec)
-        except ValueError as e:
-            raise ShardError("INVALID_ARGUMENT", str(e)) from None
-        if mode.kind == "quorum" and not local_steps:
-            raise ShardError("INVALID_ARGUMENT", f"--sync {mode} is for local-update jobs (--local-steps H > 0): a "
-                                                 f"round's late deltas fold into the next one, gradients would not")
-        for k in keys:
-            if k.shard != self.shard_id:
-                raise ShardError("INVALID_ARGUMENT", f"key {k.key} belongs to shard {k.shard}, not {self.shard_id}")
+        mode, pull_spec = self._check_registration(worker, world_size, num_shards, sync, opt, keys, codec, pull_codec,
+                                                   min_workers, max_workers, local_steps, heartbeat_s)
         if self.restored and self.job is not None and self.elastic:
             self.resize_after_restore(world_size)
         with self.lock:
@@ -167,8 +143,11 @@ class Shard(Membership):
 
     # ---- push ------------------------------------------------------------------------------
     def push(self, worker: int, step: int, grads: list[tuple[str, "Decoded | torch.Tensor"]],
-             pulled_versions: list[int]) -> tuple[list[bool], list[int]]:
+             pulled_versions: list[int], inner_steps: int = 0) -> tuple[list[bool], list[int]]:
         job = self._require_job()
+        if inner_steps and not 0 < inner_steps <= job.local_steps:
+            raise ShardError("INVALID_ARGUMENT", f"inner_steps {inner_steps}: a round's delta covers 1 .. --local-steps "
+                                                 f"{job.local_steps} inner steps (0: all of them)")
         if worker not in self.live:
             raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not a live member of the job "
                                                     f"(evicted or never registered; Register to rejoin)",
@@ -202,13 +181,13 @@ class Shard(Membership):
             checked.append((ks, g, pulled_versions[i] if pulled_versions else step))
         dup, versions = [], []
         for ks, g, pulled in checked:
-            d, v = self._apply(job, ks, worker, step, g, pulled)
+            d, v = self._apply(job, ks, worker, step, g, pulled, inner_steps)
             dup.append(d)
             versions.append(v)
         self.counters["pushes"] += 1
         return dup, versions
 
-    def _apply(self, job: Job, ks: KeyState, worker: int, step: int, g: Decoded, pulled: int):
+    def _apply(self, job: Job, ks: KeyState, worker: int, step: int, g: Decoded, pulled: int, inner_steps: int = 0):
         with ks.cond:
             if job.sync.rounds:
                 self._wait_for_step(ks, worker, step)
@@ -224,7 +203,8 @@ class Shard(Membership):
             if self.stopped is not None:     # the job's model is the one its target was judged on
                 self.counters["after_stop"] += 1
             elif job.sync.rounds:
-                self._contribute(ks, worker, step, g, job.sync.weight(lag))
+                self._contribute(ks, worker, step, g, job.sync.weight(lag, inner_steps, job.local_steps),
+                                 job.sync.share(inner_steps, job.local_steps))
             else:
                 if ks.spec.is_buffer:
                     buffers.assign(ks, worker, g, self.live)
@@ -240,9 +220,11 @@ class Shard(Membership):
                 ks.cond.notify_all()
             return False, ks.version
 
-    def _contribute(self, ks: KeyState, worker: int, step: int, g: Decoded | None, weight: float = 1.0) -> None:
+    def _contribute(self, ks: KeyState, worker: int, step: int, g: Decoded | None, weight: float = 1.0,
+                    share: float = 1.0) -> None:
         """bsp / quorum: add a push to the open round's weighted sum (ks.cond held); a skipped gradient counts as
-        zero. weight: 1, or a late delta's under quorum late=discount (ps/rounds.py)."""
+        zero. weight: 1, or under quorum the share of a round's inner steps it covers and its late discount
+        (SyncMode.weight)."""
         if ks.agg is None:
             ks.agg = torch.zeros_like(ks.value)
         if ks.spec.is_buffer:
@@ -252,8 +234,8 @@ class Shard(Membership):
             ks.opt.note_push(g)      # all-top-k steps are applied lazily (ps/optimizer.py)
         if step < ks.version:
             self.counters["late_contributions"] += 1
-        if self.rounds is not None:
-            self.rounds.contributed(ks)
+        if self.rounds is not None:    # share: of a full round's inner steps (SyncMode.share)
+            self.rounds.contributed(ks, share)
         ks.agg_from.add(worker)
         ks.agg_weight += weight
         self._maybe_complete_step(ks)

@@ -179,15 +179,16 @@ class PSClient:
             return self._raw.compress(t.to(torch.float32))
         return self.compressor.compress(k.key, t, step=step, seed=zlib.crc32(f"{k.key}/{step}/{self.worker_id}".encode()))
 
-    def _fill_push(self, req, batch: list[Key], grads: dict[str, torch.Tensor], step: int) -> tuple[int, int]:
-        """Fill PushRequest req in place with one batch of keys, gradients encoded by the codec in force;
-        returns (raw bytes, wire bytes)."""
+    def _fill_push(self, req, batch: list[Key], grads: dict[str, torch.Tensor], step: int,
+                   inner_steps: int = 0) -> tuple[int, int]:
+        """Fill PushRequest req in place with one batch of keys, gradients encoded by the codec in force (inner_steps:
+        a local-update delta's, PushRequest.inner_steps); returns (raw bytes, wire bytes)."""
         raw = wire = 0
         for k in batch:
             g = self._slice(grads[k.param], k)
             wire += fill_chunk(req.grads.add(), k.key, self._encode(k, g, step))
             raw += g.numel() * g.element_size()
-        req.worker_id, req.step, req.seq = self.worker_id, step, self._next_seq()
+        req.worker_id, req.step, req.seq, req.inner_steps = self.worker_id, step, self._next_seq(), inner_steps
         req.pulled_versions.extend(self.versions.get(k.key, 0) for k in batch)
         return raw, wire
 
@@ -202,7 +203,7 @@ class PSClient:
                            bytes_pushed_wire=wire)
 
     def push_pull_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int,
-                       min_version: int, out: dict[str, torch.Tensor]) -> float:
+                       min_version: int, out: dict[str, torch.Tensor], inner_steps: int = 0) -> float:
         """Push some keys to one shard and pull their next values (delta pulls into `out`, the shared
         view) in one PushPull round trip per message; returns the server-side wait. Messages hold up to
         fused_bytes (2 x chunk_bytes, less when max_message_bytes is tight) of raw data, so a step
@@ -211,7 +212,7 @@ class PSClient:
         waited = 0.0
         for batch in message_batches(keys, self.fused_bytes):
             req = pb.PushPullRequest()      # the push half is filled in place (no merge copy of its bodies)
-            raw, wire = self._fill_push(req.push, batch, grads, step)
+            raw, wire = self._fill_push(req.push, batch, grads, step, inner_steps)
             t0 = time.perf_counter()
             rep = self.sessions[shard].push_pull(req, lambda batch=batch: self._pull_request(batch, min_version, True),
                                                  self.timeout_s + 10)

@@ -16,7 +16,9 @@ the progress made meanwhile (p = global + (p_now - p_at_send)). tau = 0 waits fo
 A round's delta is then tau steps older than the model it lands on, the price of hiding the transfer.
 
 Quorum rounds (--sync quorum:Q): a round may close without this worker; its late delta folds into the open
-round on the shards, and its next push is for the round it pulled (the rounds it missed are skipped).
+round on the shards, and its next push is for the round it pulled (the rounds it missed are skipped). With
+inner=adaptive a worker slower than the quorum takes fewer inner steps per round instead (RoundPace), so that its
+delta lands in the round it pulled; the shards weigh it by the steps it covers (PushRequest.inner_steps).
 """
 from __future__ import annotations
 
@@ -46,6 +48,56 @@ def split_fragments(named: list[tuple[str, torch.Tensor]], fragments: int) -> li
     return [[n for n, _ in named[bounds[f]:bounds[f + 1]]] for f in range(fragments)]
 
 
+ADAPT_BELOW = 0.8    # inner=adaptive: a worker shortens its rounds only when the quorum's round fits < this x H of its steps
+PACE_EMA = 0.5       # weight of the newest observation in RoundPace's estimates
+
+
+class RoundPace:
+    """inner=adaptive (quorum rounds, one fragment): how many inner steps this worker's next round takes.
+
+    The quorum's round period: seconds per version this worker sees advance between its exchanges; its own pace:
+    seconds per inner step of its last round (its compute, a straggler's slowness included; the exchanges' blocked time
+    not), and the seconds its exchange moves bytes (blocked less waiting for the round to close), which a round must
+    leave room for. A worker whose H steps fit in the period (within ADAPT_BELOW) keeps H — the period is set by those
+    workers, so they never shorten rounds in turn; a slower one takes the steps that fit, at least 1."""
+
+    def __init__(self, local_steps: int):
+        self.H = local_steps
+        self.period_s: float | None = None     # seconds per round, as this worker sees the versions advance
+        self.step_s: float | None = None       # this worker's seconds per inner step
+        self.comm_s = 0.0                      # seconds its exchange moves bytes (not waiting for the round)
+        self._seen: tuple[float, int] | None = None
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else PACE_EMA * new + (1 - PACE_EMA) * old
+
+    def stepped(self, seconds: float, steps: int) -> None:
+        if steps > 0:
+            self.step_s = self._ema(self.step_s, seconds / steps)
+
+    def observed(self, now: float, version: int, comm_s: float = 0.0) -> None:
+        """After an exchange: the shards' version (rounds applied) at perf_counter() `now`; comm_s: the exchange's
+        time moving bytes."""
+        self.comm_s = self._ema(self.comm_s if self._seen is not None else None, comm_s)
+        if self._seen is not None and version > self._seen[1]:
+            self.period_s = self._ema(self.period_s, (now - self._seen[0]) / (version - self._seen[1]))
+        self._seen = (now, version)
+
+    def next_round(self) -> int:
+        if self.period_s is None or not self.step_s:
+            return self.H
+        fits = max(0.0, self.period_s - self.comm_s) / self.step_s
+        return self.H if fits >= ADAPT_BELOW * self.H else max(1, min(self.H, int(fits + 1e-9)))
+
+
+def check_pace(inner: str, fragments: int, tau: int) -> None:
+    """inner=adaptive rounds are whole-model rounds waited for at once (their length is measured per round)."""
+    if inner == "adaptive" and (fragments > 1 or tau):
+        raise ValueError(f"quorum rounds with inner=adaptive take one fragment and no overlap (--stream-fragments 1, "
+                         f"--overlap-steps 0), not {fragments} fragments and overlap {tau}")
+
+
 class LocalUpdates:
     """The outer loop of a local-update job, driven by DistributedOptimizer.step() after each inner step."""
 
@@ -66,9 +118,20 @@ class LocalUpdates:
         self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor]]] = {}   # fragment -> (futures, p at send)
         self.outer_rounds = 0                   # fragment rounds completed (metrics)
         self.last_delta_norm = 0.0              # L2 norm of the last pushed delta (metrics)
+        # quorum inner=adaptive: this round's inner steps (RoundPace), the compute seconds spent on them so far
+        check_pace(dopt.client.sync.inner, F, self.tau)
+        self.pace = RoundPace(local_steps) if dopt.client.sync.inner == "adaptive" else None
+        self.round_steps, self.round_compute_s, self._stepped_at = local_steps, 0.0, None
+        self.round_sizes: list[int] = []        # inner steps of every round pushed (inner=adaptive: per round)
+
+    def off_clock(self, seconds: float) -> None:
+        """Time spent between inner steps that is not training (an evaluation): left out of this worker's pace."""
+        self.round_compute_s -= seconds
 
     # ---- schedule ------------------------------------------------------------------------------
     def due(self, f: int) -> bool:
+        if self.pace is not None:
+            return self.inner - self.synced_at[f] >= self.round_steps
         return self.inner % self.H == self.offsets[f] and self.inner >= (self.offsets[f] or self.H)
 
     # ---- rounds --------------------------------------------------------------------------------
@@ -76,12 +139,15 @@ class LocalUpdates:
         """Called after each inner step: finish the exchanges that have overlapped tau steps, start the ones
         due (tau = 0: finish them too). Blocked time goes to the optimizer's timing (note_blocked)."""
         self.inner += 1
+        if self._stepped_at is not None:      # this inner step's time since the last one ended (exchanges excluded)
+            self.round_compute_s += time.perf_counter() - self._stepped_at
         self.finish_inflight([f for f in self.inflight if self.inner - self.synced_at[f] >= self.tau])
         for f in range(len(self.fragments)):
             if self.due(f):
                 self.send(f)
         if not self.tau:
             self.finish_inflight()
+        self._stepped_at = time.perf_counter()
 
     def send(self, f: int) -> None:
         """Push fragment f's delta (anchor - local) for its next round and pull the new global values."""
@@ -96,7 +162,12 @@ class LocalUpdates:
                 sent[n] = p.clone()
         self.last_delta_norm = sq ** 0.5
         step = self.rounds[f]
-        futures = d.push_pull(deltas, self.fragments[f], step)
+        steps = self.inner - self.synced_at[f]
+        self.round_sizes.append(steps)
+        if self.pace is not None:
+            self.pace.stepped(self.round_compute_s, steps)
+            self.round_compute_s = 0.0
+        futures = d.push_pull(deltas, self.fragments[f], step, steps if self.pace is not None else 0)
         if f == len(self.fragments) - 1:    # buffers ride with the last fragment: one round per H steps
             futures += d.sync_buffers(step)
         self.rounds[f] += 1
@@ -119,6 +190,9 @@ class LocalUpdates:
                 pulled = min(d.client.versions.get(k.key, 0) for ks in d.client.keys_by_shard(self.fragments[f]).values()
                              for k in ks)
                 self.rounds[f] = max(self.rounds[f], pulled)
+                if self.pace is not None:
+                    self.pace.observed(time.perf_counter(), pulled, max(0.0, blocked - waited))
+                    self.round_steps = self.pace.next_round()
             d.round = min(self.rounds)
         with torch.no_grad():
             for f, (_, sent) in done.items():

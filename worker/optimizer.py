@@ -108,11 +108,13 @@ class DistributedOptimizer:
     def _launch(self, b: int) -> None:
         self._pending[b] = self.push_pull(self._ready.pop(b), self.buckets[b], self.round)
 
-    def push_pull(self, values: dict[str, torch.Tensor], names, step: int) -> list[Future]:
+    def push_pull(self, values: dict[str, torch.Tensor], names, step: int, inner_steps: int = 0) -> list[Future]:
         """One PushPull per shard the named values touch (keys in the order of `names`), in the background:
-        push them as server step `step` and pull the next step's values into the staging buffers."""
+        push them as server step `step` and pull the next step's values into the staging buffers (inner_steps: a
+        local-update round's delta covers that many inner steps; 0: all of them)."""
         min_v = self.client.sync.pull_min_version(step + 1)
-        return [self.client.pool.submit(self.client.push_pull_keys, shard, keys, values, step, min_v, self.staging)
+        return [self.client.pool.submit(self.client.push_pull_keys, shard, keys, values, step, min_v, self.staging,
+                                        inner_steps)
                 for shard, keys in self.client.keys_by_shard(names).items()]
 
     # ---- torch.optim surface ---------------------------------------------------------------

@@ -155,7 +155,10 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
     os.makedirs(d, exist_ok=True)
     eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (cap, kills)
     watch = cap_s is not None or bool(kills)
-    cfg = load_job(None, {**base, **parse_mode(spec), **({"eval_log": eval_log} if watch else {})})
+    elastic = parse_mode_spec(spec).elastic      # ddp-elastic: under torchrun, from checkpoints (bench_faults.py)
+    ckpt = os.path.join(d, "checkpoint")        # d is this seed's and variant's: every run starts afresh
+    cfg = load_job(None, {**base, **parse_mode(spec), **({"eval_log": eval_log} if watch else {}),
+                          **({"ddp_checkpoint_dir": ckpt} if elastic else {})})
     cfg_path = os.path.join(d, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
@@ -183,6 +186,9 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
                                             open(os.path.join(d, "lighthouse.log"), "w"), net.prefix(0),
                                             29510 if net.topo else None))
             target = ["--lighthouse", servers[-1].url]
+        elif elastic:     # torchrun's agents rendezvous (c10d, on worker node 0) and set every rank's environment
+            target = []
+            rendezvous = f"{net.addr(worker_nodes[0])}:{29400 if net.topo else free_port()}"
         else:
             port = 29500 if net.topo else free_port()
             target = ["--master-addr", net.addr(worker_nodes[0]), "--master-port", str(port)]
@@ -191,10 +197,13 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
         def launch(r: int) -> subprocess.Popen:
             node = worker_nodes[r]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname(node)}
-            return subprocess.Popen(
-                net.prefix(node) + py + ["worker", *target, "--rank", str(r), "--world-size", str(W),
-                                         "--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"),
-                                         "--no-progress"],
+            program = py + ["worker", *target, "--rank", str(r), "--world-size", str(W)]
+            if elastic:   # rank and world from torchrun (ranks may move between nodes at a restart)
+                program = bench_faults.torchrun_command(W, rendezvous, net.addr(node), r == 0) + ["deltaps", "worker"]
+                env.update(bench_faults.TORCHRUN_ENV)
+            return bench_faults.TreeProcess(
+                net.prefix(node) + program + ["--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"),
+                                              "--no-progress"],
                 stdout=open(os.path.join(d, f"worker{r}.log"), "a"), stderr=subprocess.STDOUT, env=env)
         workers.extend(launch(r) for r in range(W))
         if kills:         # --kill: a fault script against the running workers (bench_faults.py)
@@ -216,8 +225,9 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
             script.join(10)
         stop_processes(workers)
         stop_processes(servers)
-    results = [json.load(open(path)) for path in (os.path.join(d, f"worker{r}.json") for r in range(W))
-               if os.path.exists(path)]     # a rank killed for good by --kill leaves none
+    results = sorted((json.load(open(path)) for path in (os.path.join(d, f"worker{r}.json") for r in range(W))
+                      if os.path.exists(path)), key=lambda r: r["rank"])   # --kill: a rank killed for good leaves none;
+    # ddp-elastic: node r's result may be another rank's (torchrun's rendezvous assigns the ranks)
     out = bench_figures.mode_figures(cfg, results, time.perf_counter() - t0, before, after, worker_nodes)
     return {**out, "kills": script.events} if script is not None else out
 

@@ -9,6 +9,10 @@
                                      it again S wall-clock seconds after the kill (its start-up counts), as a
                                      supervisor would
 
+A kill takes the worker's whole process tree (a pod's death): a `ddp-elastic` mode's workers run under torchrun's
+elastic agent (`torchrun_command`), which restarts every rank of the job from the newest checkpoint when one dies;
+its killed node's agent is restarted as any worker is.
+
 With either, every mode runs twice per seed, healthy and then with the faults, in the same invocation: the
 report's figures are the faulty runs', with `healthy_time_to_target_s` and `goodput` = healthy time to target /
 faulty time to target (medians over seeds; per seed in `seeds`). A killed worker that is not restarted leaves
@@ -16,8 +20,11 @@ no result: the mode's figures come from the workers that finished.
 """
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -176,3 +183,59 @@ def add_goodput(report: dict, healthy: dict[str, dict]) -> None:
         for seed_figures, h_seed in zip(m.get("seeds", ()), h.get("seeds", ())):
             seed_figures["healthy_time_to_target_s"] = h_seed.get("time_to_target_s")
             seed_figures["goodput"] = goodput(h_seed.get("time_to_target_s"), seed_figures.get("time_to_target_s"))
+
+
+# ---- a DDP job as torchrun's users run it on a failing cluster ----------------------------------------------------
+TORCHRUN_MAX_RESTARTS = 8      # torchrun --max-restarts: more than a fault script's kills
+TORCHRUN_MONITOR_S = 0.5       # how often an agent polls its worker (torchrun's default is 5 s)
+# A dead node leaves the rendezvous after 2 missed keep-alives of 1 s (torchrun's default: 3 of 5 s): the same
+# 2 s a deltaps shard gives a worker's heartbeats under quorum.
+TORCHRUN_KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=2"
+# torch 2.13's shared rendezvous TCP store is not rebuilt for a new round when the same node stays rank 0, so a
+# restarted node waits forever for the round's MASTER_ADDR (found by trying: dynamic_rendezvous.next_rendezvous);
+# torch's own opt-out makes every round publish it
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_command(nodes: int, rendezvous: str, local_addr: str, hosts_store: bool) -> list[str]:
+    """The torchrun elastic-agent prefix of one node's worker command (then `deltaps worker ...`; its environment
+    needs TORCHRUN_ENV): a c10d rendezvous of `nodes` nodes, one process each, at `rendezvous` (host:port; the agent
+    with hosts_store runs the store there), this node advertised as local_addr (its namespace's address: every node
+    has the same hostname)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous, "--rdzv-id", "deltaps-bench",
+            "--rdzv-conf", f"is_host={str(hosts_store).lower()},{TORCHRUN_KEEP_ALIVE}", "--local-addr", local_addr,
+            "--max-restarts", str(TORCHRUN_MAX_RESTARTS), "--monitor-interval", str(TORCHRUN_MONITOR_S), "-m"]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of pid (Linux /proc), children before their children."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except FileNotFoundError:
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
+class TreeProcess(subprocess.Popen):
+    """A worker's process whose kill() is the death of its whole tree (SIGKILL to every descendant, then itself):
+    torchrun's agent runs its worker in a session of its own, which a kill of the agent alone would leave running."""
+
+    def kill(self) -> None:
+        for pid in descendants(self.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        super().kill()

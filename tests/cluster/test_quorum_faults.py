@@ -38,16 +38,20 @@ def test_a_killed_worker_does_not_stall_the_rounds(procs, tmp_path):
     assert all(r["steps"] == 640 and r["final_test_accuracy"] > 0.8 for r in results), procs.tail()
 
 
+def _straggler_job(tmp_path, sync: str, *flags: str) -> dict:
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--json", str(out), "--workers",
+                                     "3", "--local-steps", "8", "--sync", sync, "--straggler", "2:3", *flags],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_a_quorum_job_with_a_straggler_stops_everywhere_at_rank_0s_target(tmp_path):
     """deltaps launch, 3 workers, quorum 2, worker 2 at a third of the speed: rank 0 judges the target and stops the
     job; every rank reports rank 0's step and time, the judged model is the result, the straggler's rounds came late."""
-    out = tmp_path / "summary.json"
-    proc = subprocess.run(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--json", str(out), "--workers",
-                                     "3", "--steps", "2000", "--local-steps", "8", "--sync", "quorum:2:grace=0.25",
-                                     "--straggler", "2:3", "--eval-every", "16", "--target-accuracy", "0.9"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    s = json.loads(out.read_text())
+    s = _straggler_job(tmp_path, "quorum:2:grace=0.25", "--steps", "2000", "--eval-every", "16",
+                       "--target-accuracy", "0.9")
     ranks = s["per_worker"]
     stop = ranks[0]["steps_to_target"]
     assert stop is not None and ranks[0]["final_test_accuracy"] >= 0.9        # the judged model is the result
@@ -58,3 +62,13 @@ def test_a_quorum_job_with_a_straggler_stops_everywhere_at_rank_0s_target(tmp_pa
     assert ranks[2]["straggler_achieved_factor"] == pytest.approx(3.0, rel=0.01)
     stats = s["server_stats"]
     assert all(st["stopped"] for st in stats) and sum(st["late_contributions"] for st in stats) > 0
+    assert [r["inner_steps_per_round"] for r in ranks] == [8, 8, 8]
+
+
+def test_with_inner_adaptive_a_straggler_takes_the_steps_that_fit_in_the_quorums_round(tmp_path):
+    """The same job with inner=adaptive and no target (400 steps, 50 rounds): the worker at a third of the speed takes
+    about 8 / 3 inner steps a round (the first rounds are 8, until its pace is measured), the others 8."""
+    s = _straggler_job(tmp_path, "quorum:2:grace=0.25:inner=adaptive", "--steps", "400")
+    ranks = s["per_worker"]
+    assert ranks[2]["inner_steps_per_round"] < 5 and min(r["inner_steps_per_round"] for r in ranks[:2]) > 7.5
+    assert ranks[0]["final_test_accuracy"] > 0.9

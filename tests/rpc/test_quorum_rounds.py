@@ -224,3 +224,21 @@ def test_heartbeats_refuse_what_is_not_a_worker_of_the_job(cluster_factory):
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "heartbeat_s" in str(e.value)
     for cl in (w0, bad):
         cl.close()
+
+
+def _push_steps(cl, value: float, step: int, inner_steps: int) -> None:
+    """A round's delta covering inner_steps (PushRequest.inner_steps), through the client's PushPull."""
+    cl.push_pull_keys(0, cl.layout, {"w": torch.full((N,), value)}, step, 0, {"w": torch.zeros(N)}, inner_steps)
+
+
+def test_a_delta_is_weighted_by_the_inner_steps_it_covers(cluster_factory):
+    c, (w0, w1) = _job(cluster_factory, 2, "quorum:2:grace=0:inner=adaptive")
+    _push_steps(w0, 3.0, 0, 4)                     # a full round (local_steps 4): weight 1
+    _push_steps(w1, 6.0, 0, 1)                     # a slow worker's round of 1 step: weight 1/4
+    assert torch.allclose(_value(w0), -torch.full((N,), (3.0 + 6.0 / 4) / 1.25))
+    for bad in (5, -1):
+        with pytest.raises(PSError) as e:
+            _push_steps(w0, 1.0, 1, bad)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "inner_steps" in str(e.value)
+    for cl in (w0, w1):
+        cl.close()

@@ -120,3 +120,36 @@ def test_a_straggling_step_takes_factor_times_its_compute():
     assert extras["straggler_sleep_s"] == pytest.approx(2 * extras["straggler_compute_s"])
     assert extras["straggler_achieved_factor"] == pytest.approx(3.0)
     assert run.straggler_extras(1.0) == {}
+
+
+def test_a_kill_takes_the_whole_process_tree_even_children_in_a_session_of_their_own():
+    # a parent that starts a child in a new session, as torchrun's agent starts its worker
+    parent = bench_faults.TreeProcess([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen("
+                                       "[sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+                                       "time.sleep(60)"])
+    deadline = time.monotonic() + 20
+    while not bench_faults.descendants(parent.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (child,) = bench_faults.descendants(parent.pid)
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":    # a zombie: dead, its parent gone before reaping it
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the child {child} outlived the kill of its parent's tree")
+
+
+def test_torchrun_command_is_an_elastic_c10d_agent_per_node():
+    cmd = bench_faults.torchrun_command(4, "10.0.0.5:29400", "10.0.0.7", hosts_store=False)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[-1] == "-m"
+    flags = dict(zip(cmd[3:-1:2], cmd[4:-1:2]))
+    assert flags["--nnodes"] == "4" and flags["--nproc-per-node"] == "1" and flags["--rdzv-backend"] == "c10d"
+    assert flags["--rdzv-endpoint"] == "10.0.0.5:29400" and flags["--local-addr"] == "10.0.0.7"
+    assert flags["--rdzv-conf"].startswith("is_host=false,") and int(flags["--max-restarts"]) >= 2

@@ -92,6 +92,9 @@ class Allreduce(Strategy):
         if workload_cls.has_embeddings and cfg.device == "cuda":
             raise ValueError(f"--device cuda: --workload {workload_cls.name}'s tables train on the CPU in --mode "
                              f"allreduce (gloo's sparse allreduce carries their rows); use --device cpu")
+        if cfg.ddp_checkpoint_dir and cfg.ddp_hook.split(":")[0] not in ("none", "fp16", "bf16"):
+            raise ValueError(f"--ddp-checkpoint-dir takes --ddp-hook none, fp16 or bf16 (hooks without state of their "
+                             f"own), not {cfg.ddp_hook!r}: its state would not be in the checkpoint")
         if cfg.sparse_embeddings and not workload_cls.has_embeddings:
             raise ValueError(f"--sparse-embeddings (ddp:sparse) needs a model with an embedding table (--workload "
                              f"ctr), not --workload {workload_cls.name}")
@@ -132,7 +135,37 @@ class Allreduce(Strategy):
             self.optimizers.append(table_optimizer(cfg, tables, cfg.sparse_embeddings))
             self.zero_to_none.append(cfg.sparse_embeddings)
         self.ready_wall, self.grad_bytes, self.sparse_bytes, self._synced = [], [], 0, True
-        dist.barrier()
+        self.checkpoint, self.resumed = None, None
+        if cfg.ddp_checkpoint_dir:       # restartable by torchrun's elastic agent (worker/elastic.py)
+            from worker.elastic import ElasticCheckpoint, restore
+            self.checkpoint = ElasticCheckpoint(cfg.ddp_checkpoint_dir, cfg.ddp_checkpoint_every, ctx.rank)
+            self.resumed = self.checkpoint.load()
+            if self.resumed is not None:
+                restore(self.resumed, model, self.optimizers)
+                log.warning("worker %d: resumed from the checkpoint of step %d", ctx.rank, self.resumed["step"])
+        dist.barrier()           # every rank has read the checkpoint before rank 0 writes the next one
+
+    @property
+    def first_step(self) -> int:
+        return self.resumed["step"] if self.resumed is not None else 0
+
+    def batches(self):
+        batches = self.workload.batches(self.rank, self.ctx.world_size)
+        for _ in range(self.first_step):     # a resumed job's data stream goes on where the checkpoint left it
+            next(batches)
+        return batches
+
+    def begin(self, run) -> None:
+        if self.resumed is not None:
+            r = self.resumed
+            run.resume(r["origin_wall"], r["eval_s"], r["evals"])
+        elif self.checkpoint is not None:    # a job restarted before its first periodic checkpoint resumes here
+            run.resume(time.time())
+            self.checkpoint.save(0, self.model, self.optimizers, run)
+
+    def end_step(self, run, step: int) -> None:
+        if self.checkpoint is not None and self.checkpoint.due(step + 1):
+            self.checkpoint.save(step + 1, self.model, self.optimizers, run)
 
     def _sync_device(self) -> None:
         if self.device.type == "cuda":

@@ -219,6 +219,7 @@ class RunRecorder:
         self.halted = False                      # another rank stopped the job (stop_with)
         self.straggler_s = [0.0, 0.0]            # --straggler: compute measured, time slept
         self._t_start = 0.0
+        self._origin_wall: float | None = None   # a restartable job's clock origin (resume)
         self._eval_due = False
         # what the evaluations measure and the config field / result key of its target: the workload's
         self.metric, self.target_key, self.target = metric, target_key, getattr(cfg, target_key)
@@ -230,7 +231,9 @@ class RunRecorder:
         self._bar = tqdm(range(first, self.cfg.steps), desc=self.desc, disable=not self.cfg.progress, unit="step",
                          dynamic_ncols=True, mininterval=0.5)
         try:
-            self._t_start = time.perf_counter()
+            # a restarted job's clock runs on from its first incarnation's start (resume)
+            behind = time.time() - self._origin_wall if self._origin_wall is not None else 0.0
+            self._t_start = time.perf_counter() - behind
             for step in self._bar:
                 self._step, self._blocked, self._wait = step, 0.0, 0.0
                 self._t0 = time.perf_counter()
@@ -241,6 +244,16 @@ class RunRecorder:
             self.wall_s = self.training_s()
         finally:
             self._bar.close()
+
+    def resume(self, origin_wall: float, eval_s: float = 0.0, evals: list[dict] = ()) -> None:
+        """Before steps(): this run's clock runs from origin_wall (time.time() at the job's first start; now for a
+        fresh one) less its evaluations, those of earlier incarnations (eval_s, evals) included — a job restarted from a
+        checkpoint (worker/elastic.py) counts the time its failure cost."""
+        self._origin_wall, self.eval_s, self.evals = origin_wall, eval_s, list(evals)
+
+    def clock_state(self) -> dict:
+        """What resume() takes, as of now (a checkpoint's copy)."""
+        return {"origin_wall": self._origin_wall, "eval_s": self.eval_s, "evals": list(self.evals)}
 
     def stop_with(self, stop: dict) -> None:
         """Another rank stopped the job at its target (--sync quorum): take its figures and end after this step."""

@@ -2,8 +2,8 @@
 
 Lifecycle of one worker run: threads (torch gets one intra-op thread per process: the ranks of a local
 cluster share the host's cores) -> the workload and the strategy from their registries -> the process group
-(collective strategies) -> setup -> `for step in run.steps()`: batch, train_step, record, metrics, evaluation
-off the clock (may end the job at the target) -> finish (the job's final model) -> final evaluation, saved
+(collective strategies) -> setup -> begin -> `for step in run.steps()`: batch, train_step, record, metrics,
+evaluation off the clock (may end the job at the target), end_step -> finish (the job's final model) -> final evaluation, saved
 model, result -> report (server stats, barriers) -> close, whatever happened.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ def train(cfg, ctx: RunContext) -> dict:
         strategy.setup()
         run = RunRecorder(cfg, ctx.rank, strategy.desc, log, metric=workload.metric, target_key=workload.target_field,
                           reaches=workload.reaches)
+        strategy.begin(run)
         slow = cfg.straggler_of(ctx.rank)
         _steps(strategy, run, ctx, slow)
         fields = strategy.finish(run)
@@ -67,6 +68,7 @@ def _steps(strategy, run: RunRecorder, ctx: RunContext, slow: float = 1.0) -> No
         if ctx.metrics is not None and out.loss is not None:
             ctx.metrics.on_step(step_s, out.loss, len(batch[1]))
         run.evaluate(lambda: strategy.evaluate(step), synced=strategy.synced, judges=strategy.judges)
+        strategy.end_step(run, step)
 
 
 def peak_rss_bytes() -> int:

@@ -7,6 +7,7 @@ import logging
 import math
 import signal
 import threading
+import time
 
 from deltaps.errors import PSError
 from worker.trainers.base import adopt_server_params, comm_counters, distributed_optimizer
@@ -62,6 +63,12 @@ class ParameterServer(Strategy):
         if cfg.sync.startswith("quorum") and not cfg.local_steps:
             raise ValueError(f"--sync {cfg.sync} needs --local-steps H > 0: quorum rounds are local-update rounds "
                              f"(a late delta folds into the next round; a late gradient would not)")
+        if cfg.local_steps:
+            from deltaps.optimizer_config import overlap_steps
+            from deltaps.sync import parse_sync
+            from worker.local_updates import check_pace
+            check_pace(parse_sync(cfg.sync).inner, cfg.stream_fragments,
+                       overlap_steps(cfg.local_steps, cfg.stream_fragments, None if cfg.overlap_steps < 0 else cfg.overlap_steps))
         cls.target_needs_bsp(cfg, workload_cls)
 
     @property
@@ -142,8 +149,12 @@ class ParameterServer(Strategy):
         return self.rank == 0 or not self.quorum
 
     def evaluate(self, step: int) -> dict:
+        t0 = time.perf_counter()
         with self.opt.global_model():   # what step() pulled; local-update jobs: the shards' model as last pulled
-            return self.workload.evaluate(self.model)
+            evaluation = self.workload.evaluate(self.model)
+        if self.opt.local is not None:  # not training: out of the round pace (inner=adaptive) as out of the clock
+            self.opt.local.off_clock(time.perf_counter() - t0)
+        return evaluation
 
     def finish(self, run) -> dict:
         opt = self.opt
@@ -169,7 +180,9 @@ class ParameterServer(Strategy):
         opt.synchronize()                    # the exchanges in flight complete; no new round is started
         now, before = opt.client.stats.snapshot(), self.stats_after_setup
         moved = sum(now.get(k, 0) - before.get(k, 0) for k in ("bytes_pushed_wire", "bytes_pulled_wire"))
-        return {"steady_bytes_moved": int(moved), "steady_rounds": opt.local.outer_rounds / len(opt.local.fragments)}
+        sizes = opt.local.round_sizes      # inner steps per round pushed (inner=adaptive: fewer on a slow worker)
+        return {"steady_bytes_moved": int(moved), "steady_rounds": opt.local.outer_rounds / len(opt.local.fragments),
+                "inner_steps_per_round": sum(sizes) / len(sizes) if sizes else None}
 
     def report(self, result) -> None:
         if self.rank == 0:

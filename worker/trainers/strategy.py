@@ -6,6 +6,8 @@ Contract (one instance per worker run, driven by worker/trainers/loop.py):
 * `setup()` — build `self.model` (from the workload) and the mode's machinery; a `collective` strategy runs
   inside the process group the loop started;
 * `batches()` — this rank's batches (default: the workload's, for rank / world size);
+* `begin(run)` — before the first step (a restarted job resumes its clock here); `end_step(run, step)` — after
+  each step and its evaluation (checkpoints);
 * `train_step(run, step, batch) -> StepOutcome` — one step: forward, backward, exchange; it reports its time
   blocked on communication to `run.comm`;
 * `synced` — every rank holds the same model now (evaluations that may stop the job wait for it);
@@ -137,8 +139,14 @@ class Strategy:
     def batches(self):
         return self.workload.batches(self.rank, self.ctx.world_size)
 
+    def begin(self, run) -> None:
+        pass
+
     def train_step(self, run, step: int, batch) -> StepOutcome:
         raise NotImplementedError
+
+    def end_step(self, run, step: int) -> None:
+        pass
 
     @property
     def synced(self) -> bool:
