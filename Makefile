@@ -101,12 +101,13 @@ FORCE:
 # straggler: clf, worker 3 at half speed. kills: lm (a healthy run takes >= 20 s here), worker 1 killed (kill -9)
 # at 1/3 and worker 2 at 2/3 of each mode's own healthy time to target, each restarted 2 s later; rank 0 keeps the
 # training clock the kills follow and is never killed. torchft runs with a 10 s timeout (a round with a dead replica
-# fails after 10 s, then its quorum re-forms; the default, --timeout, is 120 s).
+# fails after 10 s, then its quorum re-forms; the default, --timeout, is 120 s); DDP runs as its users run it on a
+# failing cluster, under torchrun's elastic agent from rank 0's checkpoints (ddp-elastic, docs/faults.md).
 FAULTS_straggler = $(RACE_clf) --straggler 3:2 \
 	--modes torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16,ps-local32x4o4:int8,$(QUORUM_MODES)
-QUORUM_MODES ?= ps-local32q3:int8:late=discount,ps-local32q3:int8
+QUORUM_MODES ?= ps-local32q3:int8:late=discount:inner=adaptive,ps-local32q3:int8:late=discount
 FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 \
-	--modes $(subst wire=fp16,wire=fp16:timeout=10,$(subst wire=bf16,wire=bf16:timeout=10,$(call PEERS_lm,100mbit))),ps-local32:int8,ps-local32q4:int8:late=discount
+	--modes $(subst wire=fp16,wire=fp16:timeout=10,$(subst wire=bf16,wire=bf16:timeout=10,$(call PEERS_lm,100mbit))),ddp-elastic:fp16,ps-local32:int8,ps-local32q4:int8:late=discount
 bench-faults: bench-faults-straggler.json bench-faults-kills.json
 bench-faults-%.json: setup FORCE
 	$(RACE) --bandwidth 100mbit $(FAULTS_$*) --json $@ --plot $(@:.json=.png)
