@@ -46,6 +46,11 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
             if k in r0:
                 out[k + "_per_step"] = sum(r[k] for r in results) / W / steps
     out.update(bench_report.eval_fields(results))
+    # per worker, by rank: the steps it trained (a straggler's fewer under quorum rounds: the useful steps a goodput
+    # figure is made of) and, local-update rounds, its mean inner steps per round (inner=adaptive: fewer when slow)
+    out["steps_per_worker"] = [r["steps"] for r in results]
+    if any(r.get("inner_steps_per_round") for r in results):
+        out["inner_steps_per_round_per_worker"] = [r.get("inner_steps_per_round") for r in results]
     slow = [r for r in results if r.get("straggler_factor")]
     if slow:     # --straggler: the slow-down asked for and the one measured (compute + sleep) / compute
         out["straggler"] = {"rank": slow[0]["rank"], "factor": slow[0]["straggler_factor"],

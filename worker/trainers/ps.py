@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import statistics
 import threading
 import time
 
@@ -182,7 +183,7 @@ class ParameterServer(Strategy):
         moved = sum(now.get(k, 0) - before.get(k, 0) for k in ("bytes_pushed_wire", "bytes_pulled_wire"))
         sizes = opt.local.round_sizes      # inner steps per round pushed (inner=adaptive: fewer on a slow worker)
         return {"steady_bytes_moved": int(moved), "steady_rounds": opt.local.outer_rounds / len(opt.local.fragments),
-                "inner_steps_per_round": sum(sizes) / len(sizes) if sizes else None}
+                "inner_steps_per_round": statistics.median(sizes) if sizes else None}
 
     def report(self, result) -> None:
         if self.rank == 0:
