@@ -160,12 +160,16 @@ class Membership:
             return
         self._reaper = start_reaper(f"shard{self.shard_id}-reaper", reaper_tick(limit_s), self.evict_silent, log)
 
+    def _job_worker(self, worker: int, rpc: str) -> None:
+        """An RPC naming `worker` needs a registered job and one of its worker ids (INVALID_ARGUMENT otherwise)."""
+        job = self._require_job()
+        if not 0 <= worker < max(job.world_size, job.max_workers):
+            raise ShardError("INVALID_ARGUMENT", f"{rpc} from worker {worker}: outside the job's worker ids")
+
     def heartbeat(self, worker: int) -> bool:
         """A worker's heartbeat: it is alive (touch). Returns whether it is a live member (False: evicted; it
         rejoins with its next push, which is refused with NOT_LIVE_MEMBER and re-registers)."""
-        job = self._require_job()
-        if not 0 <= worker < max(job.world_size, job.max_workers):
-            raise ShardError("INVALID_ARGUMENT", f"Heartbeat from worker {worker}: outside the job's worker ids")
+        self._job_worker(worker, "Heartbeat")
         self.touch(worker)
         return worker in self.live
 
@@ -240,9 +244,7 @@ class Membership:
         """A worker stopped the job (--sync quorum: its evaluation reached the target). Pulls waiting for a round
         return at once, every pull answer carries the stop from now on, and later pushes are acknowledged but not
         applied (`after_stop`): the job's model is the one its target was judged on. False: already stopped."""
-        job = self._require_job()
-        if not 0 <= worker < max(job.world_size, job.max_workers):
-            raise ShardError("INVALID_ARGUMENT", f"Stop from worker {worker}: outside the job's worker ids")
+        self._job_worker(worker, "Stop")
         if step < 0 or not time_s >= 0:
             raise ShardError("INVALID_ARGUMENT", f"Stop needs step >= 0 and time_s >= 0, got {step} and {time_s}")
         with self.lock:

@@ -14,7 +14,6 @@ evaluation of its step when N is a multiple of --eval-every: the default 16 with
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -40,7 +39,7 @@ class ElasticCheckpoint:
         if self.rank != 0:
             return
         state = {"step": step, "model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
-                 **run.clock_state(), "saved_wall": time.time()}
+                 **run.clock_state()}
         tmp = f"{self.path}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.path)

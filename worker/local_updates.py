@@ -65,7 +65,7 @@ class RoundPace:
         self.H = local_steps
         self.period_s: float | None = None     # seconds per round, as this worker sees the versions advance
         self.step_s: float | None = None       # this worker's seconds per inner step
-        self.comm_s = 0.0                      # seconds its exchange moves bytes (not waiting for the round)
+        self.comm_s: float | None = None       # seconds its exchange moves bytes (not waiting for the round)
         self._seen: tuple[float, int] | None = None
 
     @staticmethod
@@ -79,13 +79,13 @@ class RoundPace:
     def observed(self, now: float, version: int, comm_s: float = 0.0) -> None:
         """After an exchange: the shards' version (rounds applied) at perf_counter() `now`; comm_s: the exchange's
         time moving bytes."""
-        self.comm_s = self._ema(self.comm_s if self._seen is not None else None, comm_s)
+        self.comm_s = self._ema(self.comm_s, comm_s)
         if self._seen is not None and version > self._seen[1]:
             self.period_s = self._ema(self.period_s, (now - self._seen[0]) / (version - self._seen[1]))
         self._seen = (now, version)
 
     def next_round(self) -> int:
-        if self.period_s is None or not self.step_s:
+        if self.period_s is None or not self.step_s:     # comm_s is known once period_s is
             return self.H
         fits = max(0.0, self.period_s - self.comm_s) / self.step_s
         return self.H if fits >= ADAPT_BELOW * self.H else max(1, min(self.H, int(fits + 1e-9)))

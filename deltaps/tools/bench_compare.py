@@ -155,9 +155,10 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
     os.makedirs(d, exist_ok=True)
     eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (cap, kills)
     watch = cap_s is not None or bool(kills)
-    elastic = parse_mode_spec(spec).elastic      # ddp-elastic: under torchrun, from checkpoints (bench_faults.py)
+    mode = parse_mode_spec(spec)
+    elastic = mode.elastic                      # ddp-elastic: under torchrun, from checkpoints (bench_faults.py)
     ckpt = os.path.join(d, "checkpoint")        # d is this seed's and variant's: every run starts afresh
-    cfg = load_job(None, {**base, **parse_mode(spec), **({"eval_log": eval_log} if watch else {}),
+    cfg = load_job(None, {**base, **mode.overrides(), **({"eval_log": eval_log} if watch else {}),
                           **({"ddp_checkpoint_dir": ckpt} if elastic else {})})
     cfg_path = os.path.join(d, "config.yaml")
     with open(cfg_path, "w") as f:
