@@ -103,7 +103,10 @@ FORCE:
 # training clock the kills follow and is never killed. torchft runs with a 10 s timeout (a round with a dead replica
 # fails after 10 s, then its quorum re-forms; the default, --timeout, is 120 s); DDP runs as its users run it on a
 # failing cluster, under torchrun's elastic agent from rank 0's checkpoints (ddp-elastic, docs/faults.md).
-FAULTS_straggler = $(RACE_clf) --straggler 3:2 \
+# Each worker is capped at WORKER_CPUS cores (a cgroup of its own: deltaps/tools/cpu_caps.py), so the straggler's idle
+# time is not handed to its peers, as on machines of their own; shards and the Lighthouse run on what is left.
+WORKER_CPUS ?= 0.4
+FAULTS_straggler = $(RACE_clf) --straggler 3:2 --cpus-per-worker $(WORKER_CPUS) \
 	--modes torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16,ps-local32x4o4:int8,$(QUORUM_MODES)
 QUORUM_MODES ?= ps-local32q3:int8:late=discount:inner=adaptive,ps-local32q3:int8:late=discount
 FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 \

@@ -29,7 +29,9 @@ import yaml
 from deltaps.config import DEVICES
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, netns
+from deltaps.tools.bench_nodes import Nodes, cpu_figures
 from deltaps.tools.bench_seeds import merge
+from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
 from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, tail_file, wait_port_file
 from worker.trainers.strategy import load_job
 from worker.workloads import available_workloads, get_workload, workload_class
@@ -122,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_faults.add_arguments(p)
     p.add_argument("--device", default="cpu", choices=DEVICES,
                    help="where every mode's workers train (cpu; cuda: NCCL for ddp, one GPU per worker)")
+    p.add_argument("--cpus-per-worker", type=float, default=None,
+                   help="cap every worker's process tree at X cores (a cgroup each, needs root), so no worker gets "
+                        "the CPU another leaves idle, as on machines of their own (deltaps/tools/cpu_caps.py)")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespaces")
     p.add_argument("--netns-prefix", default=netns.PREFIX,
                    help="name prefix of the namespaces/links this run creates (and whose stale leftovers it removes)")
@@ -131,26 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Net:
-    """Where process i runs: a namespace of the topology, or loopback."""
-
-    def __init__(self, topo: "netns.Topology | None"):
-        self.topo = topo
-
-    def prefix(self, i: int) -> list[str]:
-        return self.topo.exec_prefix(i) if self.topo else []
-
-    def addr(self, i: int) -> str:
-        return self.topo.addr(i) if self.topo else "127.0.0.1"
-
-    def ifname(self, i: int) -> str:
-        return self.topo.ifname(i) if self.topo else "lo"
-
-    def counters(self, nodes) -> dict:
-        return {i: self.topo.link_bytes(i) for i in nodes} if self.topo else {}
-
-
-def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | None = None, kills=()) -> dict:
+def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | None = None, kills=()) -> dict:
     d = os.path.join(tmp, spec.replace(":", "_").replace("=", "-").replace("/", "_"))
     os.makedirs(d, exist_ok=True)
     eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (cap, kills)
@@ -193,7 +179,7 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
         else:
             port = 29500 if net.topo else free_port()
             target = ["--master-addr", net.addr(worker_nodes[0]), "--master-port", str(port)]
-        before = net.counters(worker_nodes)
+        before, cpu_before = net.counters(worker_nodes), net.cpu(worker_nodes)
 
         def launch(r: int) -> subprocess.Popen:
             node = worker_nodes[r]
@@ -202,10 +188,10 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
             if elastic:   # rank and world from torchrun (ranks may move between nodes at a restart)
                 program = bench_faults.torchrun_command(W, rendezvous, net.addr(node), r == 0) + ["deltaps", "worker"]
                 env.update(bench_faults.TORCHRUN_ENV)
-            return bench_faults.TreeProcess(
+            return net.started(node, bench_faults.TreeProcess(
                 net.prefix(node) + program + ["--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"),
                                               "--no-progress"],
-                stdout=open(os.path.join(d, f"worker{r}.log"), "a"), stderr=subprocess.STDOUT, env=env)
+                stdout=open(os.path.join(d, f"worker{r}.log"), "a"), stderr=subprocess.STDOUT, env=env))
         workers.extend(launch(r) for r in range(W))
         if kills:         # --kill: a fault script against the running workers (bench_faults.py)
             script = bench_faults.KillScript(kills, workers, launch,
@@ -219,7 +205,7 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
             logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(d, f'worker{r}.log'))}"
                              for r, c in failed)
             raise RuntimeError(f"mode {spec}: {len(failed)} worker(s) failed:\n{logs}")
-        after = net.counters(worker_nodes)
+        after, cpu_after = net.counters(worker_nodes), net.cpu(worker_nodes)
     finally:
         if script is not None:
             script.stop()
@@ -229,7 +215,8 @@ def run_mode(spec: str, base: dict, args, net: _Net, tmp: str, cap_s: float | No
     results = sorted((json.load(open(path)) for path in (os.path.join(d, f"worker{r}.json") for r in range(W))
                       if os.path.exists(path)), key=lambda r: r["rank"])   # --kill: a rank killed for good leaves none;
     # ddp-elastic: node r's result may be another rank's (torchrun's rendezvous assigns the ranks)
-    out = bench_figures.mode_figures(cfg, results, time.perf_counter() - t0, before, after, worker_nodes)
+    out = {**bench_figures.mode_figures(cfg, results, time.perf_counter() - t0, before, after, worker_nodes),
+           **cpu_figures(cpu_before, cpu_after)}
     return {**out, "kills": script.events} if script is not None else out
 
 
@@ -301,6 +288,8 @@ def compare(args) -> dict:
     else:
         topo = netns.Topology(args.servers + args.workers, rate=args.bandwidth, latency=args.latency,
                               prefix=args.netns_prefix)
+    caps = CpuCaps(args.cpus_per_worker, range(args.servers, args.servers + args.workers), args.netns_prefix) \
+        if args.cpus_per_worker else None
     old = netns.install_signal_handlers()
     tmp = tempfile.mkdtemp(prefix="deltaps-compare-")
     try:
@@ -317,7 +306,10 @@ def compare(args) -> dict:
                     report["network"]["measured_link_gbit_s"] = bps / 1e9
             except Exception as e:  # noqa: BLE001 - a failed probe is reported, not fatal
                 report["network"]["notes"].append(f"link throughput probe failed: {e}")
-        net = _Net(topo)
+        if caps:
+            caps.up()
+            report["cpu_caps"] = caps.describe()
+        net = Nodes(topo, caps)
         print(bench_report.header(report), flush=True)
         runs: dict[str, list[dict]] = {spec: [] for spec in specs}
         healthy: dict[str, list[dict]] = {spec: [] for spec in specs}     # --straggler / --kill: the same, no faults
@@ -361,6 +353,8 @@ def compare(args) -> dict:
         if healthy[specs[0]]:
             bench_faults.add_goodput(report, {spec: merge(r) if args.seeds > 1 else r[0] for spec, r in healthy.items()})
     finally:
+        if caps:
+            caps.down()
         if topo:
             topo.down()
             left = netns.list_leftovers(topo.prefix)
@@ -378,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         report = compare(args)
-    except netns.PrefixInUse as e:
+    except (netns.PrefixInUse, CapsUnavailable) as e:
         print(f"deltaps bench compare: {e}", file=sys.stderr)
         return 2
     print()
