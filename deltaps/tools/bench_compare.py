@@ -326,8 +326,15 @@ def compare(args) -> dict:
             try:
                 h = healthy[spec][-1] if healthy[spec] else {}
                 kills = [k.resolved(h.get("time_to_target_s")) for k in kills]    # P% of the healthy run
-                m = run_mode(spec, {**base, "seed": seed, **faults}, args, net,
-                             os.path.join(tmp, f"seed{seed}{variant}"), cap_s, kills)
+                faults, slow = bench_faults.straggler_by_cap(faults, caps, args.servers)
+                try:
+                    m = run_mode(spec, {**base, "seed": seed, **faults}, args, net,
+                                 os.path.join(tmp, f"seed{seed}{variant}"), cap_s, kills)
+                finally:
+                    if slow:
+                        caps.set_cores(args.servers + slow[0], caps.cores)
+                if slow and "compute_s_per_step_per_worker" in m:
+                    m["straggler"] = bench_faults.capped_straggler_figures(*slow, m["compute_s_per_step_per_worker"])
                 store[spec].append({**m, "seed": seed})
                 if m.get("capped"):
                     print(f"   {m['capped']} (stopped at step {m['steps']})", flush=True)

@@ -1,7 +1,8 @@
 """Faults and heterogeneity in `deltaps bench compare`, applied identically to every mode (docs/faults.md).
 
   --straggler RANK:FACTOR            that worker's compute takes FACTOR times as long (TrainConfig.straggler: it
-                                     sleeps (FACTOR - 1) x its measured compute after every step, on the clock)
+                                     sleeps (FACTOR - 1) x its measured compute after every step, on the clock;
+                                     with --cpus-per-worker X: its node is capped at X / FACTOR cores instead)
   --kill WORKER@WHEN[:restart=S]     (repeatable: a fault script) kill -9 that worker's process once rank 0 has
                                      trained WHEN: SECONDS of its training clock (evaluations excluded; read from
                                      its eval log, so within one --eval-every of the moment) or P% of the mode's
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -84,6 +86,26 @@ def variants(args) -> list[tuple[str, dict, list[Kill]]]:
     if not (args.straggler or args.kill):
         return [("", {}, [])]
     return [("healthy", {"straggler": ""}, []), ("faulty", {"straggler": args.straggler}, list(args.kill))]
+
+
+def straggler_by_cap(faults: dict, caps, servers: int) -> tuple[dict, tuple[int, float] | None]:
+    """With CPU caps (cpu_caps.py), a run's --straggler RANK:F is worker RANK's node capped at X / F cores instead of
+    the worker's sleep (which a capped worker makes up for in its throttled time). -> (the run's TrainConfig
+    overrides, (rank, F) of the cap set now, None if none); restore with caps.set_cores(servers + rank, caps.cores)."""
+    if caps is None or not faults.get("straggler"):
+        return faults, None
+    rank, _, factor = faults["straggler"].partition(":")
+    rank, factor = int(rank), float(factor)
+    caps.set_cores(servers + rank, caps.cores / factor)
+    return {**faults, "straggler": ""}, (rank, factor)
+
+
+def capped_straggler_figures(rank: int, factor: float, compute_per_step: list[float]) -> dict:
+    """The report's `straggler` of a capped straggler: the factor asked for and the one measured, its compute seconds
+    per step / the median of the other workers' (compute = step time less the time blocked on communication)."""
+    median = statistics.median(c for r, c in enumerate(compute_per_step) if r != rank)
+    return {"rank": rank, "factor": factor, "how": "cpu cap / factor",
+            "achieved_factor": compute_per_step[rank] / median if median else None}
 
 
 class _Down:

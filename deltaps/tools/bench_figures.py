@@ -49,6 +49,7 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
     # per worker, by rank: the steps it trained (a straggler's fewer under quorum rounds: the useful steps a goodput
     # figure is made of) and, local-update rounds, its mean inner steps per round (inner=adaptive: fewer when slow)
     out["steps_per_worker"] = [r["steps"] for r in results]
+    out["compute_s_per_step_per_worker"] = [r["compute_s"] / max(1, r["steps"]) for r in results]
     if any(r.get("inner_steps_per_round") for r in results):
         out["inner_steps_per_round_per_worker"] = [r.get("inner_steps_per_round") for r in results]
     slow = [r for r in results if r.get("straggler_factor")]

@@ -6,6 +6,11 @@ box behaves like a cluster where each worker has a machine of its own, X cores w
 2 shared cores trade CPU among themselves and a straggler that sleeps speeds its peers up. Shards, the torchft
 Lighthouse and the bench itself run uncapped on what is left.
 
+A straggler under caps (`--straggler RANK:F` with `--cpus-per-worker X`, deltaps/tools/bench_faults.py) is its node
+capped at X / F cores: a machine F times slower that is busy all the time. Sleeping (F - 1) x its compute, as without
+caps, would cost a capped worker nothing: the sleep falls in the part of each period its quota keeps it off the CPU
+anyway (measured: a sleeping straggler at factor 2 under a 0.4-core cap ran as fast as the others).
+
     caps = CpuCaps(0.4, nodes=[4, 5, 6, 7], prefix="dpsb")   # one cgroup per worker node
     caps.up(); caps.adopt(4, proc.pid); ...; caps.usage_s(4); caps.down()
 
@@ -75,7 +80,6 @@ class CpuCaps:
         self.cores, self.nodes, self.prefix = cores, list(nodes), prefix
         self.kind = kind or layout(v2_root, v1_cpu)
         self.v2_root, self.v1_cpu, self.v1_acct = v2_root, v1_cpu, v1_acct
-        self.quota_us = max(1000, round(cores * PERIOD_US))     # the kernel's floor is 1 ms
 
     def _dirs(self, node: int) -> list[str]:
         """The node's cgroup directories: one (v2) or the cpu and cpuacct ones (v1; they may be one mount)."""
@@ -94,14 +98,19 @@ class CpuCaps:
                 if os.path.isdir(d):
                     self._evacuate(d)
                 os.makedirs(d, exist_ok=True)
-            cpu = self._dirs(node)[0]
-            if self.kind == "v2":
-                _write(os.path.join(cpu, "cpu.max"), f"{self.quota_us} {PERIOD_US}")
-            else:
-                _write(os.path.join(cpu, "cpu.cfs_quota_us"), "-1")     # a period below the quota is refused
-                _write(os.path.join(cpu, "cpu.cfs_period_us"), str(PERIOD_US))
-                _write(os.path.join(cpu, "cpu.cfs_quota_us"), str(self.quota_us))
+            self.set_cores(node, self.cores)
         return self
+
+    def set_cores(self, node: int, cores: float) -> None:
+        """Cap node's cgroup at `cores` from now on (a straggler: the cap over its slow-down factor)."""
+        quota = max(1000, round(cores * PERIOD_US))     # the kernel's floor is 1 ms
+        cpu = self._dirs(node)[0]
+        if self.kind == "v2":
+            _write(os.path.join(cpu, "cpu.max"), f"{quota} {PERIOD_US}")
+        else:
+            _write(os.path.join(cpu, "cpu.cfs_quota_us"), "-1")     # a period below the quota is refused
+            _write(os.path.join(cpu, "cpu.cfs_period_us"), str(PERIOD_US))
+            _write(os.path.join(cpu, "cpu.cfs_quota_us"), str(quota))
 
     def adopt(self, node: int, pid: int) -> None:
         """Move process `pid` (and the children it forks from now on) into node's cgroup."""
@@ -136,5 +145,5 @@ class CpuCaps:
                     os.rmdir(d)
 
     def describe(self) -> dict:
-        return {"cores_per_worker": self.cores, "period_ms": PERIOD_US / 1000, "quota_ms": self.quota_us / 1000,
+        return {"cores_per_worker": self.cores, "period_ms": PERIOD_US / 1000, "quota_ms": self.cores * PERIOD_US / 1000,
                 "cgroup": self.kind, "uncapped": "shards, the torchft Lighthouse and the bench itself"}

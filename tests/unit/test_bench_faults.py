@@ -153,3 +153,27 @@ def test_torchrun_command_is_an_elastic_c10d_agent_per_node():
     assert flags["--nnodes"] == "4" and flags["--nproc-per-node"] == "1" and flags["--rdzv-backend"] == "c10d"
     assert flags["--rdzv-endpoint"] == "10.0.0.5:29400" and flags["--local-addr"] == "10.0.0.7"
     assert flags["--rdzv-conf"].startswith("is_host=false,") and int(flags["--max-restarts"]) >= 2
+
+
+class _Caps:
+    cores = 0.4
+
+    def __init__(self):
+        self.set = []
+
+    def set_cores(self, node, cores):
+        self.set.append((node, cores))
+
+
+def test_under_cpu_caps_a_straggler_is_its_nodes_cap_over_the_factor_not_a_sleep():
+    caps = _Caps()
+    overrides, slow = bench_faults.straggler_by_cap({"straggler": "3:2"}, caps, servers=4)
+    assert overrides == {"straggler": ""} and slow == (3, 2.0)
+    assert caps.set == [(7, 0.2)]                        # worker 3 sits on node servers + 3
+    assert bench_faults.straggler_by_cap({"straggler": "3:2"}, None, 4) == ({"straggler": "3:2"}, None)
+    assert bench_faults.straggler_by_cap({"straggler": ""}, caps, 4) == ({"straggler": ""}, None)
+
+
+def test_a_capped_stragglers_achieved_factor_is_its_compute_per_step_over_the_others_median():
+    fig = bench_faults.capped_straggler_figures(3, 2.0, [0.010, 0.012, 0.011, 0.022])
+    assert fig["rank"] == 3 and fig["factor"] == 2.0 and fig["achieved_factor"] == pytest.approx(2.0)

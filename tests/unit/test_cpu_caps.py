@@ -25,6 +25,8 @@ def test_v2_caps_each_node_at_its_share_of_a_short_period(tmp_path):
     (tmp_path / "tst-cap5" / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\nthrottled_usec 750000\n")
     assert caps.usage_s(5) == 2.5 and caps.throttled_s(5) == 0.75
     assert caps.describe()["cgroup"] == "v2" and caps.describe()["quota_ms"] == 4.0
+    caps.set_cores(5, 0.2)       # a straggler at factor 2
+    assert (tmp_path / "tst-cap5" / "cpu.max").read_text() == f"{int(0.2 * PERIOD_US)} {PERIOD_US}"
 
 
 def test_v1_sets_the_period_before_the_quota_and_reads_cpuacct(tmp_path):
