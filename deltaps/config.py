@@ -170,8 +170,9 @@ class TrainConfig:
         "from S on), so every mode of a race has a metric at one common step; 0 = stop at the target")
     eval_log: str = option(
         "",
-        "append every evaluation during training to this JSON-lines file as it happens ({rank} is replaced by the "
-        "rank; bench compare's --time-cap watches it); empty = off")
+        "append every evaluation during training to this JSON-lines file as it happens, after a first line "
+        "{\"started\": true, \"step\": S} when training begins ({rank} is replaced by the rank; bench compare's "
+        "--time-cap, --kill and capped --straggler watch it); empty = off")
     straggler: str = option(
         "",
         "RANK:FACTOR: that worker's compute takes FACTOR (>= 1) times as long — it sleeps (FACTOR - 1) x its measured "

@@ -34,7 +34,7 @@ from deltaps.tools.bench_seeds import merge
 from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
 from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, tail_file, wait_port_file
 from worker.trainers.strategy import load_job
-from worker.workloads import available_workloads, get_workload, workload_class
+from worker.workloads import available_workloads, workload_class
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
 
 IN_FEATURES, CLASSES = 64, 10
@@ -136,11 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | None = None, kills=()) -> dict:
+def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | None = None, kills=(),
+             slow: tuple[int, float] | None = None) -> dict:
+    """One run of a mode; kills: a fault script; slow: (rank, factor) of a capped straggler (bench_faults.py)."""
     d = os.path.join(tmp, spec.replace(":", "_").replace("=", "-").replace("/", "_"))
     os.makedirs(d, exist_ok=True)
     eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (cap, kills)
-    watch = cap_s is not None or bool(kills)
+    watch = cap_s is not None or bool(kills) or bool(slow)
     mode = parse_mode_spec(spec)
     elastic = mode.elastic                      # ddp-elastic: under torchrun, from checkpoints (bench_faults.py)
     ckpt = os.path.join(d, "checkpoint")        # d is this seed's and variant's: every run starts afresh
@@ -152,7 +154,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     py = [sys.executable, "-m", "deltaps"]
     S, W = args.servers, args.workers
     worker_nodes = list(range(S, S + W))      # nodes 0..S-1 are shards, S.. are workers
-    servers, workers, script = [], [], None
+    servers, workers, script, slowing = [], [], None, None
     t0 = time.perf_counter()
     try:
         if cfg.mode in ("ps", "hybrid"):
@@ -193,6 +195,10 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
                                               "--no-progress"],
                 stdout=open(os.path.join(d, f"worker{r}.log"), "a"), stderr=subprocess.STDOUT, env=env))
         workers.extend(launch(r) for r in range(W))
+        if slow:
+            slowing = bench_faults.CapOnceTraining(net.caps, worker_nodes[slow[0]], slow[1],
+                                                   eval_log.replace("{rank}", str(slow[0])))
+            slowing.start()
         if kills:         # --kill: a fault script against the running workers (bench_faults.py)
             script = bench_faults.KillScript(kills, workers, launch,
                                              bench_faults.training_clock(eval_log.replace("{rank}", "0")))
@@ -210,6 +216,8 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
         if script is not None:
             script.stop()
             script.join(10)
+        if slowing is not None:
+            slowing.stop()
         stop_processes(workers)
         stop_processes(servers)
     results = sorted((json.load(open(path)) for path in (os.path.join(d, f"worker{r}.json") for r in range(W))
@@ -218,14 +226,6 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     out = {**bench_figures.mode_figures(cfg, results, time.perf_counter() - t0, before, after, worker_nodes),
            **cpu_figures(cpu_before, cpu_after)}
     return {**out, "kills": script.events} if script is not None else out
-
-
-def _model_params(base: dict) -> int:
-    """The model's parameter count, from the workload's own model (a table-less one: cheap to build)."""
-    workload = workload_class(base["workload"])
-    if workload.has_embeddings:
-        return 0       # the click-through report counts its table and dense part itself
-    return sum(p.numel() for p in get_workload(load_job(None, base)).build_model().parameters())
 
 
 def compare(args) -> dict:
@@ -265,7 +265,7 @@ def compare(args) -> dict:
               "latency": args.latency, "shaped": False, "steps": args.steps, "batch_size": args.batch_size,
               "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "hidden": hidden, "layers": args.layers,
               "seeds": list(range(args.seed, args.seed + args.seeds)),
-              "model_params": _model_params(base), "host_cpus": os.cpu_count(),
+              "model_params": bench_figures.model_params(base), "host_cpus": os.cpu_count(),
               "network": {"notes": []}, "modes": {}, "workload": args.workload,
               "eval_every": args.eval_every, "device": args.device, "common_step": args.common_step,
               "time_cap": args.time_cap, "select_on": args.select_on,
@@ -326,13 +326,9 @@ def compare(args) -> dict:
             try:
                 h = healthy[spec][-1] if healthy[spec] else {}
                 kills = [k.resolved(h.get("time_to_target_s")) for k in kills]    # P% of the healthy run
-                faults, slow = bench_faults.straggler_by_cap(faults, caps, args.servers)
-                try:
-                    m = run_mode(spec, {**base, "seed": seed, **faults}, args, net,
-                                 os.path.join(tmp, f"seed{seed}{variant}"), cap_s, kills)
-                finally:
-                    if slow:
-                        caps.set_cores(args.servers + slow[0], caps.cores)
+                faults, slow = bench_faults.straggler_by_cap(faults, caps)
+                m = run_mode(spec, {**base, "seed": seed, **faults}, args, net,
+                             os.path.join(tmp, f"seed{seed}{variant}"), cap_s, kills, slow)
                 if slow and "compute_s_per_step_per_worker" in m:
                     m["straggler"] = bench_faults.capped_straggler_figures(*slow, m["compute_s_per_step_per_worker"])
                 store[spec].append({**m, "seed": seed})

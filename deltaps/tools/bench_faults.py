@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deltaps.tools.bench_protocol import read_eval_logs, started
+
 KILL = re.compile(r"(\d+)@(\d+(?:\.\d+)?)(%?)(?::restart=(\d+(?:\.\d+)?))?")
 
 
@@ -88,16 +90,38 @@ def variants(args) -> list[tuple[str, dict, list[Kill]]]:
     return [("healthy", {"straggler": ""}, []), ("faulty", {"straggler": args.straggler}, list(args.kill))]
 
 
-def straggler_by_cap(faults: dict, caps, servers: int) -> tuple[dict, tuple[int, float] | None]:
-    """With CPU caps (cpu_caps.py), a run's --straggler RANK:F is worker RANK's node capped at X / F cores instead of
-    the worker's sleep (which a capped worker makes up for in its throttled time). -> (the run's TrainConfig
-    overrides, (rank, F) of the cap set now, None if none); restore with caps.set_cores(servers + rank, caps.cores)."""
+def straggler_by_cap(faults: dict, caps) -> tuple[dict, tuple[int, float] | None]:
+    """With CPU caps (cpu_caps.py) a run's --straggler RANK:F is worker RANK's node capped at X / F cores once it trains
+    (CapOnceTraining) instead of the worker's sleep, which a capped worker makes up for in its throttled time.
+    -> (the run's TrainConfig overrides, (RANK, F) or None)."""
     if caps is None or not faults.get("straggler"):
         return faults, None
     rank, _, factor = faults["straggler"].partition(":")
-    rank, factor = int(rank), float(factor)
-    caps.set_cores(servers + rank, caps.cores / factor)
-    return {**faults, "straggler": ""}, (rank, factor)
+    return {**faults, "straggler": ""}, (int(rank), float(factor))
+
+
+class CapOnceTraining(threading.Thread):
+    """A capped straggler's node drops to X / F cores once its rank has begun training (the first line of its eval
+    log), so its start-up runs at the others' speed as a sleeping straggler's does: a synchronous peer's first round
+    would otherwise wait out a start-up F times as slow, on the clock. stop() restores the cap."""
+
+    POLL_S = 0.02
+
+    def __init__(self, caps, node: int, factor: float, eval_log: str):
+        super().__init__(daemon=True, name="bench-straggler-cap")
+        self.caps, self.node, self.factor, self.eval_log = caps, node, factor, eval_log
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.POLL_S):
+            if started(self.eval_log):
+                self.caps.set_cores(self.node, self.caps.cores / self.factor)
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(5)
+        self.caps.set_cores(self.node, self.caps.cores)
 
 
 def capped_straggler_figures(rank: int, factor: float, compute_per_step: list[float]) -> dict:
@@ -183,8 +207,6 @@ class KillScript(threading.Thread):
 
 def training_clock(eval_log: str) -> Callable[[], float | None]:
     """Rank 0's training seconds so far, from its eval log (the latest evaluation's time_s; None before the first)."""
-    from deltaps.tools.bench_protocol import read_eval_logs
-
     def clock() -> float | None:
         rows = read_eval_logs([eval_log])[0]
         return rows[-1]["time_s"] if rows else None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from deltaps.tools import bench_protocol, bench_report
 from deltaps.tools.launch import summarize
+from worker.trainers.strategy import load_job
+from worker.workloads import get_workload, workload_class
 
 
 def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, after: dict, worker_nodes) -> dict:
@@ -71,3 +73,11 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
         out["timing_method"] = ("PS DistributedOptimizer: blocked = time step() waits for pushes/pulls; "
                                 "wait = server-side wait for other workers (BSP); comm = blocked - wait")
     return out
+
+
+def model_params(base: dict) -> int:
+    """The model's parameter count, from the workload's own model (a table-less one: cheap to build)."""
+    workload = workload_class(base["workload"])
+    if workload.has_embeddings:
+        return 0       # the click-through report counts its table and dense part itself
+    return sum(p.numel() for p in get_workload(load_job(None, base)).build_model().parameters())

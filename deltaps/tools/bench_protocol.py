@@ -70,21 +70,28 @@ def cap_seconds(peer_runs: list[dict], factor: float | None) -> float | None:
     return factor * min(times) if factor and times else None
 
 
+def _eval_log_rows(path: str) -> list[dict]:
+    """A rank's --eval-log lines so far (a missing file or a half-written last line is what a running job leaves:
+    skipped)."""
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+    return rows
+
+
 def read_eval_logs(paths: list[str]) -> list[list[dict]]:
-    """Each rank's evaluations so far (its --eval-log, JSON lines; a missing file or a half-written last line is
-    what a running job leaves: skipped)."""
-    out = []
-    for path in paths:
-        rows = []
-        if os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        break
-        out.append(rows)
-    return out
+    """Each rank's evaluations so far (its --eval-log without the line that marks the start of training)."""
+    return [[r for r in _eval_log_rows(path) if not r.get("started")] for path in paths]
+
+
+def started(path: str) -> bool:
+    """Has the rank writing this --eval-log begun training (its start-up is over)?"""
+    return any(r.get("started") for r in _eval_log_rows(path))
 
 
 def past_cap(eval_logs: list[list[dict]], cap_s: float) -> bool:

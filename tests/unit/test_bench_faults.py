@@ -155,6 +155,13 @@ def test_torchrun_command_is_an_elastic_c10d_agent_per_node():
     assert flags["--rdzv-conf"].startswith("is_host=false,") and int(flags["--max-restarts"]) >= 2
 
 
+def test_under_cpu_caps_a_straggler_is_its_nodes_cap_over_the_factor_not_a_sleep():
+    overrides, slow = bench_faults.straggler_by_cap({"straggler": "3:2"}, caps=object())
+    assert overrides == {"straggler": ""} and slow == (3, 2.0)
+    assert bench_faults.straggler_by_cap({"straggler": "3:2"}, None) == ({"straggler": "3:2"}, None)
+    assert bench_faults.straggler_by_cap({"straggler": ""}, object()) == ({"straggler": ""}, None)
+
+
 class _Caps:
     cores = 0.4
 
@@ -165,13 +172,17 @@ class _Caps:
         self.set.append((node, cores))
 
 
-def test_under_cpu_caps_a_straggler_is_its_nodes_cap_over_the_factor_not_a_sleep():
-    caps = _Caps()
-    overrides, slow = bench_faults.straggler_by_cap({"straggler": "3:2"}, caps, servers=4)
-    assert overrides == {"straggler": ""} and slow == (3, 2.0)
-    assert caps.set == [(7, 0.2)]                        # worker 3 sits on node servers + 3
-    assert bench_faults.straggler_by_cap({"straggler": "3:2"}, None, 4) == ({"straggler": "3:2"}, None)
-    assert bench_faults.straggler_by_cap({"straggler": ""}, caps, 4) == ({"straggler": ""}, None)
+def test_a_capped_straggler_slows_only_once_its_rank_trains_and_is_restored(tmp_path):
+    caps, log = _Caps(), tmp_path / "evals3.jsonl"
+    cap = bench_faults.CapOnceTraining(caps, 7, 2.0, str(log))
+    cap.start()
+    time.sleep(0.1)
+    assert caps.set == []                   # start-up: the others' cap
+    log.write_text('{"started": true, "step": 0}\n')
+    cap.join(2)
+    assert caps.set == [(7, 0.2)]
+    cap.stop()
+    assert caps.set == [(7, 0.2), (7, 0.4)]
 
 
 def test_a_capped_stragglers_achieved_factor_is_its_compute_per_step_over_the_others_median():

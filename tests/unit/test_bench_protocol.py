@@ -34,7 +34,11 @@ def test_the_recorder_trains_on_to_the_common_step_and_logs_each_evaluation(monk
     assert (run.steps_to_target, run.time_to_target_s, run.stopped_at) == (6, 6.0, 10)   # the target: unchanged
     assert run.result(final_test_accuracy=0.95, model_params=1).steps == 10                 # steps run
     rows = [json.loads(line) for line in (tmp_path / "evals1.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["reached"]) for r in rows] == [(3, False), (6, True), (9, True), (10, True)]
+    assert rows[0] == {"started": True, "step": 0}       # first: the cue that start-up is over
+    assert [(r["step"], r["reached"]) for r in rows[1:]] == [(3, False), (6, True), (9, True), (10, True)]
+    path = str(log).replace("{rank}", "1")
+    assert bp.started(path) and not bp.started(str(tmp_path / "none.jsonl"))
+    assert [r["step"] for r in bp.read_eval_logs([path])[0]] == [3, 6, 9, 10]     # evaluations only
 
 
 def test_the_common_step_needs_evaluations_and_fits_the_run():

@@ -234,6 +234,7 @@ class RunRecorder:
             # a restarted job's clock runs on from its first incarnation's start (resume)
             behind = time.time() - self._origin_wall if self._origin_wall is not None else 0.0
             self._t_start = time.perf_counter() - behind
+            self._log_eval({"started": True, "step": first})    # the bench's cue: start-up is over
             for step in self._bar:
                 self._step, self._blocked, self._wait = step, 0.0, 0.0
                 self._t0 = time.perf_counter()
@@ -254,6 +255,12 @@ class RunRecorder:
     def clock_state(self) -> dict:
         """What resume() takes, as of now (a checkpoint's copy)."""
         return {"origin_wall": self._origin_wall, "eval_s": self.eval_s, "evals": list(self.evals)}
+
+    def _log_eval(self, row: dict) -> None:
+        """One line of --eval-log (read back by deltaps/tools/bench_protocol.py read_eval_logs / started)."""
+        if self.cfg.eval_log:
+            with open(self.cfg.eval_log.replace("{rank}", str(self.rank)), "a") as f:
+                f.write(json.dumps(row) + "\n")
 
     def stop_with(self, stop: dict) -> None:
         """Another rank stopped the job at its target (--sync quorum): take its figures and end after this step."""
@@ -339,9 +346,7 @@ class RunRecorder:
             return False
         self.evals.append({"step": done, "time_s": train_s, **evaluation})
         reached = bool(self.target) and self.reaches(evaluation, self.target)
-        if self.cfg.eval_log:
-            with open(self.cfg.eval_log.replace("{rank}", str(self.rank)), "a") as f:
-                f.write(json.dumps({**self.evals[-1], "reached": reached}) + "\n")
+        self._log_eval({**self.evals[-1], "reached": reached})
         if self.cfg.log_every:
             self.log.info("worker %d step %d %s %.4f (%.2f s of training)", self.rank, done,
                           self.metric.replace("_", " "), evaluation[self.metric], train_s)
