@@ -103,13 +103,14 @@ FORCE:
 # training clock the kills follow and is never killed. torchft runs with a 10 s timeout (a round with a dead replica
 # fails after 10 s, then its quorum re-forms; the default, --timeout, is 120 s); DDP runs as its users run it on a
 # failing cluster, under torchrun's elastic agent from rank 0's checkpoints (ddp-elastic, docs/faults.md).
-# Each worker is capped at WORKER_CPUS cores (a cgroup of its own: deltaps/tools/cpu_caps.py), so the straggler's idle
-# time is not handed to its peers, as on machines of their own; shards and the Lighthouse run on what is left.
+# Each worker is capped at WORKER_CPUS cores (a cgroup of its own: deltaps/tools/cpu_caps.py), as on machines of their
+# own: a straggler is its cap over the factor (a sleep would hand its idle time to its peers), a restarted worker's
+# start-up takes nothing from the others; shards and the Lighthouse run on what is left.
 WORKER_CPUS ?= 0.4
 FAULTS_straggler = $(RACE_clf) --straggler 3:2 --cpus-per-worker $(WORKER_CPUS) \
 	--modes torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16,ps-local32x4o4:int8,$(QUORUM_MODES)
 QUORUM_MODES ?= ps-local32q3:int8:late=discount:inner=adaptive,ps-local32q3:int8:late=discount
-FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 \
+FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 --cpus-per-worker $(WORKER_CPUS) \
 	--modes $(subst wire=fp16,wire=fp16:timeout=10,$(subst wire=bf16,wire=bf16:timeout=10,$(call PEERS_lm,100mbit))),ddp-elastic:fp16,ps-local32:int8,ps-local32q4:int8:late=discount
 bench-faults: bench-faults-straggler.json bench-faults-kills.json
 bench-faults-%.json: setup FORCE

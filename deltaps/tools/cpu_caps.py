@@ -81,7 +81,7 @@ class CpuCaps:
         self.kind = kind or layout(v2_root, v1_cpu)
         self.v2_root, self.v1_cpu, self.v1_acct = v2_root, v1_cpu, v1_acct
 
-    def _dirs(self, node: int) -> list[str]:
+    def dirs(self, node: int) -> list[str]:
         """The node's cgroup directories: one (v2) or the cpu and cpuacct ones (v1; they may be one mount)."""
         name = f"{self.prefix}-cap{node}"
         if self.kind == "v2":
@@ -94,7 +94,7 @@ class CpuCaps:
         if self.kind == "v2":       # the root must hand the cpu controller to its children
             _write(os.path.join(self.v2_root, "cgroup.subtree_control"), "+cpu")
         for node in self.nodes:
-            for d in self._dirs(node):
+            for d in self.dirs(node):
                 if os.path.isdir(d):
                     self._evacuate(d)
                 os.makedirs(d, exist_ok=True)
@@ -104,7 +104,7 @@ class CpuCaps:
     def set_cores(self, node: int, cores: float) -> None:
         """Cap node's cgroup at `cores` from now on (a straggler: the cap over its slow-down factor)."""
         quota = max(1000, round(cores * PERIOD_US))     # the kernel's floor is 1 ms
-        cpu = self._dirs(node)[0]
+        cpu = self.dirs(node)[0]
         if self.kind == "v2":
             _write(os.path.join(cpu, "cpu.max"), f"{quota} {PERIOD_US}")
         else:
@@ -114,18 +114,18 @@ class CpuCaps:
 
     def adopt(self, node: int, pid: int) -> None:
         """Move process `pid` (and the children it forks from now on) into node's cgroup."""
-        for d in self._dirs(node):
+        for d in self.dirs(node):
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def usage_s(self, node: int) -> float:
         """CPU seconds the node's cgroup has used since up()."""
         if self.kind == "v2":
-            return _stat(_read(os.path.join(self._dirs(node)[0], "cpu.stat")))["usage_usec"] / 1e6
-        return int(_read(os.path.join(self._dirs(node)[-1], "cpuacct.usage"))) / 1e9
+            return _stat(_read(os.path.join(self.dirs(node)[0], "cpu.stat")))["usage_usec"] / 1e6
+        return int(_read(os.path.join(self.dirs(node)[-1], "cpuacct.usage"))) / 1e9
 
     def throttled_s(self, node: int) -> float:
         """Seconds the node's processes were held off the CPU by the cap since up()."""
-        stat = _stat(_read(os.path.join(self._dirs(node)[0], "cpu.stat")))
+        stat = _stat(_read(os.path.join(self.dirs(node)[0], "cpu.stat")))
         return stat["throttled_usec"] / 1e6 if self.kind == "v2" else stat["throttled_time"] / 1e9
 
     def _evacuate(self, d: str) -> None:
@@ -139,7 +139,7 @@ class CpuCaps:
 
     def down(self) -> None:
         for node in self.nodes:
-            for d in self._dirs(node):
+            for d in self.dirs(node):
                 if os.path.isdir(d):
                     self._evacuate(d)
                     os.rmdir(d)

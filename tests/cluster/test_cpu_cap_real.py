@@ -1,6 +1,7 @@
 """A real cgroup cap (deltaps/tools/cpu_caps.py): a busy process and its children stay within X cores."""
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
@@ -46,4 +47,25 @@ def test_a_capped_busy_tree_uses_at_most_its_share_and_the_cgroup_goes_away():
     assert used <= 0.25 * wall * 1.15 + 0.05, (used, wall)       # two spinning processes held to a quarter core
     assert used >= 0.25 * wall * 0.5, (used, wall)
     assert held > 0.5
-    assert not any(os.path.exists(d) for d in caps._dirs(9))
+    assert not any(os.path.exists(d) for d in caps.dirs(9))
+
+
+@pytest.mark.skipif(bool(WHY), reason=WHY or "-")
+def test_bench_compare_caps_every_worker_and_slows_the_straggler_by_its_cap(tmp_path):
+    """End to end: a capped straggler (its cap over the factor once it trains) is about that much slower per step,
+    every worker's CPU is accounted, and no cgroup is left behind."""
+    from deltaps.tools import bench_compare as bc
+    out = tmp_path / "caps.json"
+    rc = bc.main(["--workers", "2", "--servers", "1", "--steps", "48", "--workload", "clf", "--hidden", "64",
+                  "--eval-every", "16", "--modes", "ddp", "--no-shaping", "--straggler", "1:2",
+                  "--cpus-per-worker", "0.5", "--netns-prefix", "dpsc", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["cpu_caps"]["cores_per_worker"] == 0.5
+    m = r["modes"]["ddp"]
+    assert m["straggler"]["how"] == "cpu cap / factor" and 1.5 <= m["straggler"]["achieved_factor"] <= 3.0, m["straggler"]
+    assert len(m["cpu_s_per_worker"]) == 2 and all(c > 0 for c in m["cpu_s_per_worker"])
+    assert m["throttled_s_per_worker"][1] > 0                  # the straggler was held to its cap
+    assert m["healthy_time_to_target_s"] is None and m["goodput"] is None      # no target: nothing to compare
+    caps = CpuCaps(0.5, [1, 2], "dpsc")
+    assert not any(os.path.exists(d) for node in caps.nodes for d in caps.dirs(node))

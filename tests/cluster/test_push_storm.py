@@ -18,7 +18,7 @@ from protos import pb
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-W, N, SECONDS = 16, 256, 20.0
+W, N, SECONDS = 16, 256, 8.0
 
 
 def _grad(r: int, step: int) -> torch.Tensor:
