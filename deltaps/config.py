@@ -288,14 +288,7 @@ class TrainConfig:
         """The compute slow-down factor of `rank` under --straggler (1.0: not the straggler)."""
         if not self.straggler:
             return 1.0
-        who, _, factor = self.straggler.partition(":")
-        try:
-            who, factor = int(who), float(factor)
-        except ValueError:
-            who, factor = -1, 0.0
-        if not (0 <= who < max(self.workers, self.max_workers) and 1.0 <= factor < float("inf")):
-            raise ValueError(f"bad --straggler {self.straggler!r}: want RANK:FACTOR, a rank of the job (0 .. "
-                             f"{max(self.workers, self.max_workers) - 1}) and a factor >= 1, e.g. 3:2")
+        who, factor = parse_straggler(self.straggler, max(self.workers, self.max_workers))
         return factor if who == rank else 1.0
 
     def _validate_eval(self) -> None:
@@ -360,3 +353,16 @@ def load_config(path: str | None, overrides: dict | None = None) -> TrainConfig:
 
 def config_from_args(args: argparse.Namespace, exclude: tuple = ()) -> TrainConfig:
     return load_config(getattr(args, "config", None), {k: v for k, v in vars(args).items() if k not in exclude})
+
+
+def parse_straggler(text: str, workers: int) -> tuple[int, float]:
+    """--straggler RANK:FACTOR -> (rank, factor) of a job of `workers` ranks; ValueError names what is wrong."""
+    who, _, factor = text.partition(":")
+    try:
+        who, factor = int(who), float(factor)
+    except ValueError:
+        who, factor = -1, 0.0
+    if not (0 <= who < workers and 1.0 <= factor < float("inf")):
+        raise ValueError(f"bad --straggler {text!r}: want RANK:FACTOR, a rank of the job (0 .. "
+                         f"{workers - 1}) and a factor >= 1, e.g. 3:2")
+    return who, factor

@@ -326,7 +326,7 @@ def compare(args) -> dict:
             try:
                 h = healthy[spec][-1] if healthy[spec] else {}
                 kills = [k.resolved(h.get("time_to_target_s")) for k in kills]    # P% of the healthy run
-                faults, slow = bench_faults.straggler_by_cap(faults, caps)
+                faults, slow = bench_faults.straggler_by_cap(faults, caps, args.workers)
                 m = run_mode(spec, {**base, "seed": seed, **faults}, args, net,
                              os.path.join(tmp, f"seed{seed}{variant}"), cap_s, kills, slow)
                 if slow and "compute_s_per_step_per_worker" in m:

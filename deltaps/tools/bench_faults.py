@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deltaps.config import parse_straggler
 from deltaps.tools.bench_protocol import read_eval_logs, started
 
 KILL = re.compile(r"(\d+)@(\d+(?:\.\d+)?)(%?)(?::restart=(\d+(?:\.\d+)?))?")
@@ -90,14 +91,13 @@ def variants(args) -> list[tuple[str, dict, list[Kill]]]:
     return [("healthy", {"straggler": ""}, []), ("faulty", {"straggler": args.straggler}, list(args.kill))]
 
 
-def straggler_by_cap(faults: dict, caps) -> tuple[dict, tuple[int, float] | None]:
+def straggler_by_cap(faults: dict, caps, workers: int) -> tuple[dict, tuple[int, float] | None]:
     """With CPU caps (cpu_caps.py) a run's --straggler RANK:F is worker RANK's node capped at X / F cores once it trains
     (CapOnceTraining) instead of the worker's sleep, which a capped worker makes up for in its throttled time.
     -> (the run's TrainConfig overrides, (RANK, F) or None)."""
     if caps is None or not faults.get("straggler"):
         return faults, None
-    rank, _, factor = faults["straggler"].partition(":")
-    return {**faults, "straggler": ""}, (int(rank), float(factor))
+    return {**faults, "straggler": ""}, parse_straggler(faults["straggler"], workers)
 
 
 class CapOnceTraining(threading.Thread):

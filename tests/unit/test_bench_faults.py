@@ -156,10 +156,12 @@ def test_torchrun_command_is_an_elastic_c10d_agent_per_node():
 
 
 def test_under_cpu_caps_a_straggler_is_its_nodes_cap_over_the_factor_not_a_sleep():
-    overrides, slow = bench_faults.straggler_by_cap({"straggler": "3:2"}, caps=object())
+    overrides, slow = bench_faults.straggler_by_cap({"straggler": "3:2"}, caps=object(), workers=4)
     assert overrides == {"straggler": ""} and slow == (3, 2.0)
-    assert bench_faults.straggler_by_cap({"straggler": "3:2"}, None) == ({"straggler": "3:2"}, None)
-    assert bench_faults.straggler_by_cap({"straggler": ""}, object()) == ({"straggler": ""}, None)
+    assert bench_faults.straggler_by_cap({"straggler": "3:2"}, None, 4) == ({"straggler": "3:2"}, None)
+    assert bench_faults.straggler_by_cap({"straggler": ""}, object(), 4) == ({"straggler": ""}, None)
+    with pytest.raises(ValueError, match="bad --straggler"):      # the job's own grammar (config.parse_straggler)
+        bench_faults.straggler_by_cap({"straggler": "4:2"}, object(), 4)
 
 
 class _Caps:
