@@ -32,6 +32,11 @@ V2_ROOT = "/sys/fs/cgroup"
 V1_CPU, V1_ACCT = "/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpuacct"
 
 
+def quota_us(cores: float) -> int:
+    """The CFS quota per PERIOD_US that caps a cgroup at `cores` (the kernel's floor is 1 ms)."""
+    return max(1000, round(cores * PERIOD_US))
+
+
 class CapsUnavailable(RuntimeError):
     """The machine cannot cap a process's CPU (not Linux, not root, no cpu cgroup controller)."""
 
@@ -103,7 +108,7 @@ class CpuCaps:
 
     def set_cores(self, node: int, cores: float) -> None:
         """Cap node's cgroup at `cores` from now on (a straggler: the cap over its slow-down factor)."""
-        quota = max(1000, round(cores * PERIOD_US))     # the kernel's floor is 1 ms
+        quota = quota_us(cores)
         cpu = self.dirs(node)[0]
         if self.kind == "v2":
             _write(os.path.join(cpu, "cpu.max"), f"{quota} {PERIOD_US}")
@@ -145,5 +150,5 @@ class CpuCaps:
                     os.rmdir(d)
 
     def describe(self) -> dict:
-        return {"cores_per_worker": self.cores, "period_ms": PERIOD_US / 1000, "quota_ms": self.cores * PERIOD_US / 1000,
+        return {"cores_per_worker": self.cores, "period_ms": PERIOD_US / 1000, "quota_ms": quota_us(self.cores) / 1000,
                 "cgroup": self.kind, "uncapped": "shards, the torchft Lighthouse and the bench itself"}
