@@ -128,6 +128,8 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         rep.waited_s, rep.server_id = waited, self.shard.server_id
         rep.codec, rep.codec_epoch = self.shard.codec, self.shard.codec_epoch
         rep.live_workers.extend(sorted(self.shard.live))
+        if self.shard.rounds is not None:     # quorum rounds: the pace a slow worker fits its round to
+            rep.quorum_pace_s = max((self.shard.rounds.pace_s(k) for k in req.keys), default=0.0)
         if self.shard.stopped is not None:
             rep.stopped.CopyFrom(pb.StopRequest(**self.shard.stopped))
 

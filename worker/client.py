@@ -63,6 +63,7 @@ class PSClient:
         self.worker_id, self.world_size = worker_id, world_size
         self.min_workers, self.max_workers = min_workers, max_workers   # elastic job bounds (0 = world_size)
         self.live_workers: list[int] = list(range(world_size))          # as the shards last reported it
+        self.quorum_paces: dict[int, float] = {}     # shard -> its quorum rounds' recent open-to-quorum span (pulls)
         self.job_stop: dict | None = None     # a worker stopped the job (--sync quorum): its step and time_s
         self.sync = parse_sync(sync)
         self.local_steps = local_steps    # > 0: a local-update job (pushes are deltas, the optimizer is the outer one)
@@ -277,6 +278,7 @@ class PSClient:
         self._note_codec(rep.codec, rep.codec_epoch)
         if rep.live_workers:
             self.live_workers = list(rep.live_workers)
+        self.quorum_paces[shard] = rep.quorum_pace_s
         if rep.HasField("stopped") and self.job_stop is None:
             self._note_stop(rep.stopped)
         return rep.waited_s

@@ -55,17 +55,18 @@ PACE_EMA = 0.5       # weight of the newest observation in RoundPace's estimates
 class RoundPace:
     """inner=adaptive (quorum rounds, one fragment): how many inner steps this worker's next round takes.
 
-    The quorum's round period: seconds per version this worker sees advance between its exchanges; its own pace:
-    seconds per inner step of its last round (its compute, a straggler's slowness included; the exchanges' blocked time
-    not), and the seconds its exchange moves bytes (blocked less waiting for the round to close), which a round must
-    leave room for. A worker whose H steps fit in the period (within ADAPT_BELOW) keeps H — the period is set by those
-    workers, so they never shorten rounds in turn; a slower one takes the steps that fit, at least 1."""
+    The quorum's round period: the shards' recent open-to-quorum span (before the first quorum, the seconds per
+    version this worker sees advance between its exchanges); its own pace: seconds per inner step of its last round
+    (its compute, a straggler's slowness included; the exchanges not), and the seconds its exchange takes (encoding its
+    delta and moving bytes, less waiting for the round to close), which a round must leave room for. A worker whose
+    H steps fit in the period (within ADAPT_BELOW) keeps H — the period is set by those workers, so they never
+    shorten rounds in turn; a slower one takes the steps that fit, at least 1."""
 
     def __init__(self, local_steps: int):
         self.H = local_steps
-        self.period_s: float | None = None     # seconds per round, as this worker sees the versions advance
+        self.period_s: float | None = None     # seconds per round: the quorum's pace
         self.step_s: float | None = None       # this worker's seconds per inner step
-        self.comm_s: float | None = None       # seconds its exchange moves bytes (not waiting for the round)
+        self.comm_s: float | None = None       # seconds its exchange takes (not waiting for the round)
         self._seen: tuple[float, int] | None = None
 
     @staticmethod
@@ -76,11 +77,15 @@ class RoundPace:
         if steps > 0:
             self.step_s = self._ema(self.step_s, seconds / steps)
 
-    def observed(self, now: float, version: int, comm_s: float = 0.0) -> None:
-        """After an exchange: the shards' version (rounds applied) at perf_counter() `now`; comm_s: the exchange's
-        time moving bytes."""
+    def observed(self, now: float, version: int, comm_s: float = 0.0, quorum_s: float = 0.0) -> None:
+        """After an exchange: the shards' version (rounds applied) at perf_counter() `now`; comm_s: the seconds
+        the exchange took; quorum_s: the shards' recent open-to-quorum span (0: not known yet). The period is that
+        span once known, not the versions' pace: a round waits out its grace window for a straggler arriving late
+        in it, so a straggler fitting its steps to the pace it sees would stretch every round to the window's end."""
         self.comm_s = self._ema(self.comm_s, comm_s)
-        if self._seen is not None and version > self._seen[1]:
+        if quorum_s > 0:
+            self.period_s = self._ema(self.period_s, quorum_s)
+        elif self._seen is not None and version > self._seen[1]:
             self.period_s = self._ema(self.period_s, (now - self._seen[0]) / (version - self._seen[1]))
         self._seen = (now, version)
 
@@ -121,7 +126,7 @@ class LocalUpdates:
         # quorum inner=adaptive: this round's inner steps (RoundPace), the compute seconds spent on them so far
         check_pace(dopt.client.sync.inner, F, self.tau)
         self.pace = RoundPace(local_steps) if dopt.client.sync.inner == "adaptive" else None
-        self.round_steps, self.round_compute_s, self._stepped_at = local_steps, 0.0, None
+        self.round_steps, self.round_compute_s, self._stepped_at, self._sent_at = local_steps, 0.0, None, 0.0
         self.round_sizes: list[int] = []        # inner steps of every round pushed (inner=adaptive: per round)
 
     def off_clock(self, seconds: float) -> None:
@@ -152,6 +157,7 @@ class LocalUpdates:
     def send(self, f: int) -> None:
         """Push fragment f's delta (anchor - local) for its next round and pull the new global values."""
         d = self.dopt
+        self._sent_at = time.perf_counter()     # the pace's exchange time starts here: encoding the delta is in it
         staging = d.staging
         deltas, sent, sq = {}, {}, 0.0
         for n in self.fragments[f]:
@@ -191,7 +197,9 @@ class LocalUpdates:
                              for k in ks)
                 self.rounds[f] = max(self.rounds[f], pulled)
                 if self.pace is not None:
-                    self.pace.observed(time.perf_counter(), pulled, max(0.0, blocked - waited))
+                    now = time.perf_counter()       # one fragment, no overlap (check_pace): the exchange is now - sent
+                    self.pace.observed(now, pulled, max(0.0, now - self._sent_at - waited),
+                                       max(d.client.quorum_paces.values(), default=0.0))
                     self.round_steps = self.pace.next_round()
             d.round = min(self.rounds)
         with torch.no_grad():

@@ -120,6 +120,28 @@ def test_the_grace_window_waits_for_a_straggler_then_closes_without_it(cluster_f
         cl.close()
 
 
+def test_pulls_carry_the_quorums_pace_which_the_grace_window_does_not_enter(cluster_factory):
+    """PullResponse.quorum_pace_s: the median open-to-quorum span a slow worker fits its round to (inner=adaptive)."""
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0.5s")
+    _value(w2)
+    assert w2.quorum_paces == {0: 0.0}               # no quorum yet
+    w0.push({"w": torch.ones(N)}, 0)
+    time.sleep(0.3)
+    w1.push({"w": torch.ones(N)}, 0)                # the job's first round: its span is the start-up skew
+    w0.pull(min_version=1)                          # the grace window runs out without worker 2
+    assert w0.quorum_paces == {0: 0.0}
+    time.sleep(0.3)
+    w0.push({"w": torch.ones(N)}, 1)
+    w1.push({"w": torch.ones(N)}, 1)                # the quorum, 0.3 s after a close opened the round
+    w0.pull(min_version=2)
+    assert 0.25 <= w0.quorum_paces[0] < 0.45, w0.quorum_paces
+    for cl in (w0, w1, w2):
+        cl.close()
+    _, (b0, *_) = _job(cluster_factory, 2, "bsp")
+    _value(b0)
+    assert b0.quorum_paces == {0: 0.0}               # bsp rounds have no quorum
+
+
 def test_a_round_the_dead_keep_short_of_its_quorum_closes_with_what_it_has(cluster_factory):
     c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0")
     w0.push({"w": torch.ones(N)}, 0)

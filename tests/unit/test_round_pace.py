@@ -48,3 +48,31 @@ def test_the_pace_starts_at_h_and_never_leaves_1_h():
     with pytest.raises(ValueError, match="one fragment and no overlap"):
         check_pace("adaptive", 2, 0)
     check_pace("fixed", 2, 1)
+
+
+def _grace_rounds(pace: RoundPace, step_s: float, span_s: float, grace: float, told_span: bool,
+                  rounds: int = 16) -> tuple[list[int], list[float]]:
+    """A straggler beside a quorum that arrives span_s after each round opens (ps/rounds.py): a round closes at the
+    quorum if the straggler is in by then, at the straggler's arrival within the grace window (every live worker in),
+    else at the window's end. told_span: the pulls carry the shards' span (PullResponse.quorum_pace_s).
+    Returns the straggler's round sizes and the rounds' lengths."""
+    sizes, periods, now = [], [], 0.0
+    for version in range(1, rounds + 1):
+        steps = pace.next_round()
+        sizes.append(steps)
+        pace.stepped(steps * step_s, steps)
+        arrival = steps * step_s
+        period = span_s if arrival <= span_s else min(arrival, span_s * (1 + grace))
+        periods.append(period)
+        now += period
+        pace.observed(now, version, 0.0, span_s if told_span else 0.0)
+    return sizes, periods
+
+
+def test_a_straggler_fits_its_round_to_the_quorum_not_to_the_grace_window_it_stretches():
+    span = H * 0.01                             # the quorum's workers take 10 ms a step
+    told, told_periods = _grace_rounds(RoundPace(H), 0.02, span, 0.25, told_span=True)
+    assert told[2:] == [16] * 14 and told_periods[2:] == [span] * 14       # in at the quorum: no round waits
+    seen, seen_periods = _grace_rounds(RoundPace(H), 0.02, span, 0.25, told_span=False)
+    # fitted to the close-to-close pace it sees, it arrives late in the window and every round stretches to its end
+    assert max(seen_periods[4:]) > 1.2 * span and seen[-1] > 16
