@@ -12,6 +12,8 @@ Every contribution has the same weight: each covers H inner steps of the same ba
 size, i.e. the same samples; the mean is over contributions (late=discount: a late one's is 1 / (1 + staleness);
 inner=adaptive: a slow worker's delta covering fewer inner steps weighs that share of H, and the quorum counts
 those shares, so a few steps of a slow worker never close a round in place of a full one).
+Every pull carries the quorum's pace (pace_s: the median open-to-quorum span of recent rounds a close opened), which
+such a worker fits its round to: the close-to-close pace would include the grace window it holds a round open for.
 A worker that pulled version v may push round v
 next, skipping the rounds it missed (a joiner does the same). A dead worker costs its own contribution; its
 eviction (--worker-timeout) only shrinks the set that closes a round at once. With Q = all and G = 0 a
