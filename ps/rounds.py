@@ -1,7 +1,9 @@
 """Quorum rounds (`--sync quorum:Q[:grace=G]`, local-update jobs): a round never waits for the slowest or the dead.
 
 Per key, as bsp: version v is the number of rounds applied, and round v collects the deltas pushed while it is
-open. It closes when every live worker has contributed (at once, as bsp), or when Q workers have and the
+open. It closes when every live worker has contributed (at once, as bsp; a worker that joined while it was open is
+not waited for: its first delta, for the round it pulled, folds into the next round as a late one, instead of the
+others idling for the part of a round it missed), or when Q workers have and the
 grace window since the Q-th has passed: G x the median of the key's recent open-to-quorum spans (adaptive: a
 slower cluster waits longer), or G seconds with `grace=Gs`. A delta pushed for an older round (a straggler's,
 or one that missed its round's close) is *late*: it folds into the open round instead of being dropped, and
@@ -44,6 +46,7 @@ class QuorumRounds:
         self.close = close                      # the shard's step completion, called with ks.cond held
         self.opened_at: dict[str, float] = {}   # key -> monotonic time its open round opened
         self.closed_once: set[str] = set()      # keys whose open round a close opened (not the job's first)
+        self.waits_for: dict[str, set[int]] = {}    # key -> the live workers when its open round opened
         self.paces: dict[str, deque] = {}       # key -> recent open-to-quorum times of rounds a close opened
         self.deadline: dict[str, float] = {}    # key -> end of the open round's grace window (quorum reached)
         self.spans: dict[str, deque] = {}       # key -> recent open-to-quorum times
@@ -65,7 +68,7 @@ class QuorumRounds:
         """Whether the open round of `ks` closes now (the caller holds ks.cond and has checked that it has
         contributions): every live worker in, or the quorum reached and its grace window over. Reaching the
         quorum starts the window (a timer closes the round when it ends)."""
-        if live <= ks.agg_from:
+        if (live & self.waits_for.get(ks.spec.key, live) or live) <= ks.agg_from:     # joiners since it opened: no
             return True
         if self.sync.counted(len(ks.agg_from), self.shares.get(ks.spec.key, 0.0)) < self.sync.quorum_of(len(live)) - 1e-9:
             return time.monotonic() >= self.starve_at.get(ks.spec.key, float("inf"))   # the dead hold no round
@@ -100,13 +103,14 @@ class QuorumRounds:
         spans = self.spans.get(key)
         return self.sync.grace * statistics.median(spans) if spans else 0.0
 
-    def closed(self, ks: KeyState) -> None:
-        """The open round of `ks` was applied: the next one opens now."""
+    def closed(self, ks: KeyState, live: set[int]) -> None:
+        """The open round of `ks` was applied: the next one opens now, waiting for the `live` workers at most."""
         self.deadline.pop(ks.spec.key, None)
         self.starve_at.pop(ks.spec.key, None)
         self.shares.pop(ks.spec.key, None)
         self.opened_at[ks.spec.key] = time.monotonic()
         self.closed_once.add(ks.spec.key)
+        self.waits_for[ks.spec.key] = set(live)
 
     def _wait_over(self, ks: KeyState, version: int, ends: dict[str, float]) -> None:
         """A grace window or a starvation wait ended: close the round if it is still open (and due)."""

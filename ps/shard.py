@@ -270,7 +270,7 @@ class Shard(Membership):
         ks.agg_weight = 0.0
         ks.version += 1
         if self.rounds is not None:
-            self.rounds.closed(ks)
+            self.rounds.closed(ks, self.live)
         self._publish(ks)
         ks.cond.notify_all()
 

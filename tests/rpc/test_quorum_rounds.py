@@ -225,11 +225,16 @@ def test_a_dead_worker_that_stops_beating_is_evicted_and_stops_holding_rounds(cl
     st = c.shards[0].stats()
     assert st["evictions"] == 1 and c.shards[0].live == {0, 1}
     back = client(c.addrs, 2, 3, sync="quorum:3:grace=0", opt=AVG, local_steps=4, heartbeat_s=0.1)
-    back.setup([("w", torch.zeros(N))])           # the restarted worker rejoins and pushes the open round
+    back.setup([("w", torch.zeros(N))])           # the restarted worker rejoins while round 1 is open
     assert c.shards[0].live == {0, 1, 2} and back.start_step == 1
-    for cl in (w0, w1, back):
-        cl.push({"w": torch.ones(N)}, 1)
-    assert torch.equal(back.pull(min_version=2)["w"], -torch.full((N,), 3.0))
+    for cl in (w0, w1):
+        cl.push({"w": torch.ones(N)}, 1)            # round 1 does not wait for a worker that joined after it opened
+    assert torch.equal(w0.pull(min_version=2)["w"], -torch.full((N,), 3.0))
+    back.push({"w": torch.full((N,), 4.0)}, 1)      # its delta for the round it pulled: late, it folds into round 2
+    for cl in (w0, w1):
+        cl.push({"w": torch.ones(N)}, 2)            # round 2 waits for all three and takes the three deltas
+    assert torch.equal(back.pull(min_version=3)["w"], -torch.full((N,), 3.0 + 2.0))
+    assert c.shards[0].stats()["late_contributions"] == 1
     for cl in (w0, w1, back):
         cl.close()
 
