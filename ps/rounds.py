@@ -68,7 +68,8 @@ class QuorumRounds:
         """Whether the open round of `ks` closes now (the caller holds ks.cond and has checked that it has
         contributions): every live worker in, or the quorum reached and its grace window over. Reaching the
         quorum starts the window (a timer closes the round when it ends)."""
-        if (live & self.waits_for.get(ks.spec.key, live) or live) <= ks.agg_from:     # joiners since it opened: no
+        # every worker live since the round opened is in (one that joined meanwhile is not waited for)
+        if (live & self.waits_for.get(ks.spec.key, live) or live) <= ks.agg_from:
             return True
         if self.sync.counted(len(ks.agg_from), self.shares.get(ks.spec.key, 0.0)) < self.sync.quorum_of(len(live)) - 1e-9:
             return time.monotonic() >= self.starve_at.get(ks.spec.key, float("inf"))   # the dead hold no round
