@@ -45,9 +45,9 @@ class QuorumRounds:
         self.sync = sync
         self.close = close                      # the shard's step completion, called with ks.cond held
         self.opened_at: dict[str, float] = {}   # key -> monotonic time its open round opened
-        self.closed_once: set[str] = set()      # keys whose open round a close opened (not the job's first)
-        self.waits_for: dict[str, set[int]] = {}    # key -> the live workers when its open round opened
+        self.waits_for: dict[str, set[int]] = {}    # key -> the live workers when a close opened its open round
         self.paces: dict[str, deque] = {}       # key -> recent open-to-quorum times of rounds a close opened
+        self.pace: dict[str, float] = {}        # key -> their median (pace_s), kept here rather than on every pull
         self.deadline: dict[str, float] = {}    # key -> end of the open round's grace window (quorum reached)
         self.spans: dict[str, deque] = {}       # key -> recent open-to-quorum times
         self.starve_at: dict[str, float] = {}   # key -> when its open round closes short of its quorum
@@ -77,8 +77,10 @@ class QuorumRounds:
         if key not in self.deadline:
             spans = self.spans.setdefault(key, deque(maxlen=RECENT_ROUNDS))
             spans.append(now - self.opened_at.get(key, now))
-            if key in self.closed_once:     # the job's first round opened at its first contribution: its span is
-                self.paces.setdefault(key, deque(maxlen=RECENT_ROUNDS)).append(spans[-1])   # start-up skew
+            if key in self.waits_for:       # the job's first round opened at its first contribution: its span is
+                paces = self.paces.setdefault(key, deque(maxlen=RECENT_ROUNDS))         # start-up skew
+                paces.append(spans[-1])
+                self.pace[key] = statistics.median(paces)
             grace = self.grace_s(key)
             self.deadline[key] = now + grace
             if grace > 0:
@@ -95,8 +97,7 @@ class QuorumRounds:
         """The quorum's pace: the median open-to-quorum span of the key's recent rounds a close opened (0 before
         one reached its quorum). A slow worker fits its round to it (inner=adaptive); the grace window a straggler
         stretches a round by does not enter it, nor does the first round's start-up skew."""
-        paces = self.paces.get(key)
-        return statistics.median(paces) if paces else 0.0
+        return self.pace.get(key, 0.0)
 
     def grace_s(self, key: str) -> float:
         if self.sync.grace_in_s:
@@ -110,7 +111,6 @@ class QuorumRounds:
         self.starve_at.pop(ks.spec.key, None)
         self.shares.pop(ks.spec.key, None)
         self.opened_at[ks.spec.key] = time.monotonic()
-        self.closed_once.add(ks.spec.key)
         self.waits_for[ks.spec.key] = set(live)
 
     def _wait_over(self, ks: KeyState, version: int, ends: dict[str, float]) -> None:
