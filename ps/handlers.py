@@ -26,6 +26,15 @@ def method_types() -> dict[str, tuple[type, type]]:
     return {m.name: (getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)) for m in service.methods}
 
 
+def streaming_rpcs() -> frozenset[str]:
+    """The RPCs that answer with a stream (Attend), read from the compiled service descriptor."""
+    service = pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]]
+    return frozenset(m.name for m in service.methods if m.server_streaming)
+
+
+STREAMING = streaming_rpcs()
+
+
 def parsed(rpc: str, request_type: type, call: Callable, on_refusal: Callable[[str, str], None] | None):
     """A raw-bytes behaviour: parse, refuse undecodable bytes with INVALID_ARGUMENT, else call(request, ctx)."""
     def behaviour(raw: bytes, context: grpc.ServicerContext):
@@ -50,7 +59,7 @@ def add_servicer(server: grpc.Server, servicer, on_refusal: Callable[[str, str],
     for rpc, (req_t, rep_t) in method_types().items():
         def call(request, context, rpc=rpc):
             return getattr(servicer, rpc)(request, context)
-        handlers[rpc] = grpc.unary_unary_rpc_method_handler(
-            parsed(rpc, req_t, call, on_refusal), request_deserializer=None,
-            response_serializer=rep_t.SerializeToString)
+        kind = grpc.unary_stream_rpc_method_handler if rpc in STREAMING else grpc.unary_unary_rpc_method_handler
+        handlers[rpc] = kind(parsed(rpc, req_t, call, on_refusal), request_deserializer=None,
+                             response_serializer=rep_t.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

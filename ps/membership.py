@@ -19,10 +19,12 @@ log = logging.getLogger("deltaps.shard")
 
 PAUSE_LOG_EVERY_S = 30.0
 ABSENT_BEATS = 4        # a worker that heartbeats (RegisterRequest.heartbeat_s) is evicted after this many beats of silence
+                        # (or at once when its Attend stream ends: attend / unattend)
 
 
 class Membership:
-    """Needs from the shard: lock, members, keys, live, job, last_seen, beat_s, counters, worker_timeout_s, _barriers,
+    """Needs from the shard: lock, members, keys, live, job, last_seen, beat_s, attending, _attend_tokens,
+    shutting_down, counters, worker_timeout_s, _barriers,
     _barrier_cond, in_barrier, rounds, stopped, _reaper, checkpointing, durable_hist, shard_id, and the
     step-completion hooks _maybe_complete_step / _publish, _require_job."""
 
@@ -166,12 +168,36 @@ class Membership:
         if not 0 <= worker < max(job.world_size, job.max_workers):
             raise ShardError("INVALID_ARGUMENT", f"{rpc} from worker {worker}: outside the job's worker ids")
 
-    def heartbeat(self, worker: int) -> bool:
+    def heartbeat(self, worker: int, leaving: bool = False) -> bool:
         """A worker's heartbeat: it is alive (touch). Returns whether it is a live member (False: evicted; it
-        rejoins with its next push, which is refused with NOT_LIVE_MEMBER and re-registers)."""
+        rejoins with its next push, which is refused with NOT_LIVE_MEMBER and re-registers). leaving: it closes
+        its client, so the end of its Attend stream is a departure, not a death: no eviction for it (if the job
+        goes on, its silence evicts it as a worker that never heartbeated would be)."""
         self._job_worker(worker, "Heartbeat")
         self.touch(worker)
+        if leaving:
+            with self.lock:
+                self.attending.pop(worker, None)
         return worker in self.live
+
+    def attend(self, worker: int) -> int:
+        """An Attend stream opened: `worker` is alive (touch) while it lasts. Returns its token: only the end of a
+        worker's newest stream evicts it (a reconnecting client opens a new one before the old one is reaped)."""
+        self._job_worker(worker, "Attend")
+        self.touch(worker)
+        with self.lock:
+            token = self.attending[worker] = next(self._attend_tokens)
+        return token
+
+    def unattend(self, worker: int, token: int) -> bool:
+        """An Attend stream ended without a leaving heartbeat first: its worker's process died (its kernel closed the
+        connection). Evict it now rather than after ABSENT_BEATS missed beats. A kept connection that silently stops
+        carrying anything is still the heartbeats' and --worker-timeout's to catch. True if it evicted."""
+        with self.lock:
+            if self.attending.get(worker) != token:
+                return False
+            del self.attending[worker]
+        return not self.shutting_down and self.evict(worker, "its Attend stream closed: the worker is gone")
 
     def expect_heartbeats(self, worker: int, beat_s: float) -> None:
         """Register (checked there): `worker` heartbeats every beat_s (0: it does not; --worker-timeout alone applies)."""

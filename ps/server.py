@@ -21,6 +21,7 @@ from ps.handlers import add_servicer
 from ps.shard import Shard
 
 log = logging.getLogger("deltaps.server")
+ATTEND_CHECK_S = 1.0    # an Attend stream re-checks its RPC this often, should the end-of-RPC callback never come
 
 
 def _guard(fn):
@@ -152,10 +153,27 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Heartbeat(self, req, context):
-        rep = pb.HeartbeatResponse(live=self.shard.heartbeat(req.worker_id))
+        rep = pb.HeartbeatResponse(live=self.shard.heartbeat(req.worker_id, leaving=req.leaving))
         if self.shard.stopped is not None:
             rep.stopped.CopyFrom(pb.StopRequest(**self.shard.stopped))
         return rep
+
+    @_guard
+    def Attend(self, req, context):
+        token = self.shard.attend(req.worker_id)      # refusals (no job, not a worker of it) before the stream
+        ended = threading.Event()
+        if not context.add_callback(ended.set):        # the RPC has already terminated
+            ended.set()
+        return self._attendance(req.worker_id, token, context, ended)
+
+    def _attendance(self, worker: int, token: int, context, ended: threading.Event):
+        """The Attend stream: one answer, then held (one server thread) until the RPC ends for any reason."""
+        try:
+            yield pb.HeartbeatResponse(live=worker in self.shard.live)
+            while not ended.wait(ATTEND_CHECK_S) and context.is_active():
+                pass
+        finally:
+            self.shard.unattend(worker, token)
 
     @_guard
     def Stats(self, req, context):
@@ -249,6 +267,7 @@ def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = No
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shard %d shutting down", shard.shard_id)
+    shard.shutting_down = True      # the Attend streams the stop cancels are not workers gone
     if getattr(server, "deltaps_health", None) is not None:
         server.deltaps_health.enter_graceful_shutdown()
     server.stop(grace=5).wait()

@@ -8,6 +8,7 @@ of other workers' updates the gradient missed. 0 under bsp, at most S under ssp:
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import threading
@@ -48,6 +49,9 @@ class Shard(Membership):
         self.nonfinite = nonfinite                 # reject (INVALID_ARGUMENT) | skip (ack, not applied)
         self.last_seen: dict[int, float] = {}      # worker -> monotonic time of its last RPC
         self.beat_s: dict[int, float] = {}         # worker -> its heartbeat interval (Register; 0: none)
+        self.attending: dict[int, int] = {}        # worker -> token of its open Attend stream (the newest)
+        self._attend_tokens = itertools.count(1)
+        self.shutting_down = False                 # the server is stopping: streams it cancels are not deaths
         self.checkpointing = False                 # set by ps.durability.Checkpointer
         self.durable_hist: deque = deque(maxlen=2)  # {worker: durable step} of the newest 2 checkpoints
         self.checkpoint_version = -1               # min key version of the latest checkpoint (-1: none)

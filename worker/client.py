@@ -1,6 +1,7 @@
 """PSClient: push/pull by parameter name across all shards in parallel (one channel per shard)."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import zlib
@@ -101,6 +102,7 @@ class PSClient:
         self.start_step = 0        # min over shards of RegisterResponse.step: where a (re)joining worker starts
         self.heartbeat_s = heartbeat_s   # > 0: a thread tells every shard this worker is alive (ps/membership.py)
         self._beats: threading.Thread | None = None
+        self._attendance: list = [None] * len(self.servers)   # per shard: the open Attend stream (heartbeat_s > 0)
 
     # ---- setup -----------------------------------------------------------------------------
     def setup(self, named: list[tuple[str, torch.Tensor]], buffers: list[tuple[str, torch.Tensor]] = (),
@@ -133,6 +135,7 @@ class PSClient:
 
         replies = list(self.pool.map(register, range(len(self.servers))))
         if self.heartbeat_s > 0 and self._beats is None:
+            self._attend()
             self._beats = threading.Thread(target=self._heartbeats, name="ps-heartbeat", daemon=True)
             self._beats.start()
         if replies:
@@ -322,6 +325,7 @@ class PSClient:
         evict this worker after 4; its next push then re-registers); a stop it carries is taken as a pull's."""
         req = pb.HeartbeatRequest(worker_id=self.worker_id)
         while not self.closed.wait(self.heartbeat_s):
+            self._attend()
             for stub in self.stubs:
                 try:
                     rep = stub.Heartbeat(req, timeout=max(1.0, 2 * self.heartbeat_s))
@@ -329,6 +333,20 @@ class PSClient:
                     continue
                 if rep.HasField("stopped") and self.job_stop is None:
                     self._note_stop(rep.stopped)
+
+    def _attend(self) -> None:
+        """Hold an Attend stream open on every shard (one whose stream ended, e.g. it restarted, gets a new one):
+        when this process dies its kernel closes the connection and the shards evict it at once. A shard that
+        does not serve Attend (an older server) is left to the heartbeats."""
+        req = pb.HeartbeatRequest(worker_id=self.worker_id)
+        for shard, stub in enumerate(self.stubs):
+            stream = self._attendance[shard]
+            if stream is False or (stream is not None and not stream.done()):
+                continue
+            if stream is not None and stream.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._attendance[shard] = False
+                continue
+            self._attendance[shard] = stub.Attend(req)      # never read: it only has to stay open
 
     def _note_stop(self, st) -> None:
         self.job_stop = {"worker_id": st.worker_id, "step": st.step, "time_s": st.time_s, "reason": st.reason}
@@ -361,6 +379,12 @@ class PSClient:
         self.closed.set()
         if self._beats is not None:
             self._beats.join(timeout=2 * self.heartbeat_s + 1.0)
+        leaving = pb.HeartbeatRequest(worker_id=self.worker_id, leaving=True)
+        for stub, stream in zip(self.stubs, self._attendance):   # a departure: the streams' end is not a death
+            if stream:
+                with contextlib.suppress(grpc.RpcError):
+                    stub.Heartbeat(leaving, timeout=2.0)
+                stream.cancel()
         self.pool.shutdown(wait=True)
         for ch in self.channels:
             ch.close()

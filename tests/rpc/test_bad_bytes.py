@@ -19,7 +19,7 @@ from ps.shard import Shard
 PER_RPC = 40
 
 
-RPCS = 14     # methods of deltaps.ParameterServer (protos/deltaps.proto): a new one must be fuzzed here too
+RPCS = 15     # methods of deltaps.ParameterServer (protos/deltaps.proto): a new one must be fuzzed here too
 
 def _bodies(rng: random.Random, valid: bytes) -> list[bytes]:
     """Random bytes, truncations of a valid message, and bytes with a broken length prefix."""
