@@ -123,13 +123,15 @@ def _cleanup(prefix: str) -> dict:
     return left
 
 
-def host_name_here(ns: str, addr: str) -> None:
-    """Inside namespace `ns` (`ip netns exec` bind-mounts /etc/netns/<ns>/hosts), this machine's host name
-    resolves to the namespace's own address: programs that advertise gethostname() (gloo's default device,
+def host_names_here(ns: str, addr: str, nodes: dict[str, str]) -> None:
+    """Inside namespace `ns` (`ip netns exec` bind-mounts /etc/netns/<ns>/hosts) every node's host name (`nodes`:
+    name -> address; exec_prefix gives each node's processes its name) resolves to that node's address, and this
+    machine's own name to the namespace's address: programs that advertise gethostname() (gloo's default device,
     torchft's Manager and checkpoint server) then reach each other as on separate hosts."""
     os.makedirs(os.path.join(NETNS_ETC, ns), exist_ok=True)
     with open(os.path.join(NETNS_ETC, ns, "hosts"), "w") as f:
         f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+        f.writelines(f"{a} {name}\n" for name, a in nodes.items())
 
 
 class Topology:
@@ -161,7 +163,9 @@ class Topology:
         return f"{self.subnet}.{i + 2}"
 
     def exec_prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.ns(i)]
+        """Run a command on node i: in its namespace, under a host name of its own (deltaps/tools/node_host.py)."""
+        return ["ip", "netns", "exec", self.ns(i), "unshare", "--uts", sys.executable, "-m", "deltaps.tools.node_host",
+                self.ns(i)]
 
     # ---- lifecycle -------------------------------------------------------------------------
     def up(self) -> "Topology":
@@ -192,7 +196,7 @@ class Topology:
             _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            host_name_here(ns, self.addr(i))
+            host_names_here(ns, self.addr(i), {self.ns(j): self.addr(j) for j in range(self.nodes)})
             for where, d in ((ns, dev), (br, peer)):      # egress of both ends = both directions
                 self._shape(where, d, netem)
         return self
