@@ -165,8 +165,10 @@ def start_lighthouse(host: str, replicas: int, log, prefix: list[str] = (), port
     if binary is None:
         raise ValueError("--mode torchft needs the torchft package (pip install 'deltaps[peers]'): no torchft_lighthouse")
     port = port or free_port(host)
+    # torchft's own join timeout (60 s: with every heartbeating replica joined a quorum forms at once; below
+    # --min_replicas = the workers, a short one drops a replica a little late for a round, which must then heal)
     proc = subprocess.Popen([*prefix, binary, "--bind", f"{host}:{port}", "--min_replicas", str(replicas),
-                             "--join_timeout_ms", "100", "--quorum_tick_ms", "10"],
+                             "--quorum_tick_ms", "10"],
                             stdout=log, stderr=subprocess.STDOUT)
     proc.url = f"http://{host}:{port}"
     return proc

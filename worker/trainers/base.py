@@ -217,6 +217,7 @@ class RunRecorder:
         self.time_to_target_s: float | None = None
         self.stopped_at: int | None = None      # the step the loop ended after, when an evaluation ended it early
         self.halted = False                      # another rank stopped the job (stop_with)
+        self._skip_to = 0                        # skip_to: the next step, when the job is ahead of this loop
         self.straggler_s = [0.0, 0.0]            # --straggler: compute measured, time slept
         self._t_start = 0.0
         self._origin_wall: float | None = None   # a restartable job's clock origin (resume)
@@ -228,23 +229,33 @@ class RunRecorder:
 
     def steps(self, first: int = 0) -> Iterator[int]:
         """Steps first .. cfg.steps - 1 under a progress bar; wall_s covers the whole loop."""
-        self._bar = tqdm(range(first, self.cfg.steps), desc=self.desc, disable=not self.cfg.progress, unit="step",
-                         dynamic_ncols=True, mininterval=0.5)
+        self._bar = tqdm(total=max(0, self.cfg.steps - first), desc=self.desc, disable=not self.cfg.progress,
+                         unit="step", dynamic_ncols=True, mininterval=0.5)
         try:
             # a restarted job's clock runs on from its first incarnation's start (resume)
             behind = time.time() - self._origin_wall if self._origin_wall is not None else 0.0
             self._t_start = time.perf_counter() - behind
             self._log_eval({"started": True, "step": first})    # the bench's cue: start-up is over
-            for step in self._bar:
+            step = first
+            while step < self.cfg.steps:
                 self._step, self._blocked, self._wait = step, 0.0, 0.0
                 self._t0 = time.perf_counter()
                 yield step
                 if self.halted or self.steps_to_target is not None and self._common_step_evaluated():
                     self.stopped_at = step + 1     # target reached: every rank leaves after the same step
+                    self._bar.update(1)
                     break
+                nxt = max(step + 1, min(self._skip_to, self.cfg.steps))
+                self._bar.update(nxt - step)
+                step = nxt
             self.wall_s = self.training_s()
         finally:
             self._bar.close()
+
+    def skip_to(self, step: int) -> None:
+        """The job is further on than this rank's loop (a restarted torchft replica healed from a live one): its
+        next step is `step`, as the loop `while manager.current_step() < N` of torchft's own examples would run."""
+        self._skip_to = max(self._skip_to, step)
 
     def resume(self, origin_wall: float, eval_s: float = 0.0, evals: list[dict] = ()) -> None:
         """Before steps(): this run's clock runs from origin_wall (time.time() at the job's first start; now for a

@@ -182,6 +182,8 @@ class TorchFT(Strategy):
         blocked = time.perf_counter() - self._t_inner
         run.comm(blocked)
         self._synced = self.manager.current_step() != syncs
+        if self._synced:
+            self._catch_up(run, step)
         wire = 0
         if self._synced:
             part = self.parts[(syncs % len(self.parts))] if len(self.parts) > 1 else self.parts[0]
@@ -189,6 +191,16 @@ class TorchFT(Strategy):
             wire = ring_bytes(sum(p.numel() * width for p in part.parameters()), self.ctx.world_size)
         self.sent += wire
         return StepOutcome(loss.item(), wire)
+
+    def _catch_up(self, run, step: int) -> None:
+        """A replica restarted mid-job heals from a live one at its first sync: torchft's step (syncs so far) then
+        says where the job is, H / F inner steps per sync; this rank's loop goes on from there, not from its own
+        count (a round or more behind), so it ends with the others instead of waiting alone for a quorum."""
+        per_sync = max(1, self.cfg.local_steps // len(self.parts))
+        job_step = self.manager.current_step() * per_sync
+        if job_step - (step + 1) >= per_sync:
+            log.warning("rank %d healed at its step %d: the job is at step %d", self.ctx.rank, step, job_step)
+            run.skip_to(job_step)
 
     @property
     def synced(self) -> bool:
