@@ -100,10 +100,10 @@ FORCE:
 # healthy and then with the faults in the same invocation (goodput = healthy / faulty time to target).
 # straggler: clf, worker 3 at half speed. kills: lm (a healthy run takes >= 20 s here), worker 1 killed (kill -9)
 # at 1/3 and worker 2 at 2/3 of each mode's own healthy time to target, each restarted 2 s later; rank 0 keeps the
-# training clock the kills follow and is never killed. torchft runs as its users run it for fault tolerance: a quorum
-# of 3 of the 4 replicas goes on without a dead one (min_replicas=3; with all 4 required its Lighthouse quorum timed
-# out after every kill, docs/faults.md), with a 10 s timeout (a round with a dead replica fails after 10 s, then its
-# quorum re-forms; the default, --timeout, is 120 s); DDP runs as its users run it on a
+# training clock the kills follow and is never killed. torchft (its best lm peer, sync 32 fp16) runs as its users run
+# it for fault tolerance, with every replica in a quorum (a restarted one heals from a live one) and with a quorum of
+# 3 of 4 that goes on without a dead one (min_replicas=3), with a 10 s timeout (a round with a dead replica fails
+# after 10 s, then its quorum re-forms; the default, --timeout, is 120 s); DDP runs as its users run it on a
 # failing cluster, under torchrun's elastic agent from rank 0's checkpoints (ddp-elastic, docs/faults.md).
 # Each worker is capped at WORKER_CPUS cores (a cgroup of its own: deltaps/tools/cpu_caps.py), as on machines of their
 # own: a straggler is its cap over the factor (a sleep would hand its idle time to its peers), a restarted worker's
@@ -113,7 +113,8 @@ FAULTS_straggler = $(RACE_clf) --straggler 3:2 --cpus-per-worker $(WORKER_CPUS) 
 	--modes torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16,ps-local32x4o4:int8,$(QUORUM_MODES)
 QUORUM_MODES ?= ps-local32q3:int8:late=discount:inner=adaptive,ps-local32q3:int8:late=discount
 FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 --cpus-per-worker $(WORKER_CPUS) \
-	--modes $(subst wire=fp16,wire=fp16:timeout=10:min_replicas=3,$(subst wire=bf16,wire=bf16:timeout=10:min_replicas=3,$(call PEERS_lm,100mbit))),ddp-elastic:fp16,ps-local32:int8,ps-local32q4:int8:late=discount
+	--modes $(TORCHFT_FT),$(TORCHFT_FT):min_replicas=3,ddp-elastic:fp16,ps-local32:int8,ps-local32q4:int8:late=discount
+TORCHFT_FT = torchft:diloco:sync=32:wire=fp16:timeout=10
 bench-faults: bench-faults-straggler.json bench-faults-kills.json
 bench-faults-%.json: setup FORCE
 	$(RACE) --bandwidth 100mbit $(FAULTS_$*) --json $@ --plot $(@:.json=.png)
