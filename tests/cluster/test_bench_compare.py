@@ -51,6 +51,17 @@ def test_namespace_link_is_shaped_and_torn_down():
 
 
 @needs_root
+def test_every_node_has_a_host_name_of_its_own_that_every_node_resolves_to_its_address():
+    # torchft's checkpoint server advertises gethostname(): a restarted replica heals from http://<peer's name>:port
+    with netns.Topology(2, rate="50mbit", prefix=TEST_PREFIX) as topo:
+        def run(node, *cmd):
+            return subprocess.run(topo.exec_prefix(node) + list(cmd), capture_output=True, text=True, check=True).stdout
+        assert [run(i, "hostname").strip() for i in range(2)] == [topo.ns(0), topo.ns(1)]
+        assert run(1, "getent", "hosts", topo.ns(0)).split()[0] == topo.addr(0)
+        assert run(0, "getent", "hosts", topo.ns(1)).split()[0] == topo.addr(1)
+
+
+@needs_root
 def test_topology_cleans_up_when_setup_fails():
     netns.cleanup(TEST_PREFIX)
     with pytest.raises(RuntimeError):

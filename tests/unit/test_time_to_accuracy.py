@@ -277,3 +277,17 @@ def test_rows_live_ride_along_the_curve_and_get_their_own_axis(tmp_path):
     br.add_time_to_accuracy(r, 0.9)
     br.plot(r, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_skip_to_moves_the_loop_to_the_jobs_step_never_back_and_never_past_the_end(monkeypatch):
+    run, _ = _recorder(monkeypatch, steps=20)
+    seen = []
+    for step in run.steps():
+        seen.append(step)
+        if step == 2:
+            run.skip_to(12)          # a healed torchft replica: the job is at step 12
+        if step == 13:
+            run.skip_to(5)           # behind the loop: ignored
+        if step == 14:
+            run.skip_to(99)          # past the end: the loop ends
+    assert seen == [0, 1, 2, 12, 13, 14]
