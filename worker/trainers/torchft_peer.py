@@ -182,10 +182,9 @@ class TorchFT(Strategy):
         blocked = time.perf_counter() - self._t_inner
         run.comm(blocked)
         self._synced = self.manager.current_step() != syncs
-        if self._synced:
-            self._catch_up(run, step)
         wire = 0
         if self._synced:
+            self._catch_up(run, step)
             part = self.parts[(syncs % len(self.parts))] if len(self.parts) > 1 else self.parts[0]
             width = WIRE_TORCH_DTYPES[self.cfg.torchft_wire].itemsize     # fp32 for localsgd (validated)
             wire = ring_bytes(sum(p.numel() * width for p in part.parameters()), self.ctx.world_size)
