@@ -18,6 +18,7 @@ from deltaps.wire import decode_chunk, fill_chunk, fill_chunk_from_tensor, unpac
 from protos import PROTOCOL_VERSION, pb, rpc
 from ps.buffers import key_from_spec
 from ps.handlers import add_servicer
+from ps.optimizer import warm_up
 from ps.shard import Shard
 
 log = logging.getLogger("deltaps.server")
@@ -254,6 +255,8 @@ def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = No
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get a grace period) and, with a
     checkpointer (ps.durability.Checkpointer), write a final checkpoint."""
     server, bound = start_server(shard, host, port, **kw)
+    # beside serving, while the workers start up: an Init that comes first waits on the import lock
+    threading.Thread(target=warm_up, name="optimizer-warm-up", daemon=True).start()
     if checkpointer is not None:
         checkpointer.start()
     log.info("shard %d/%d listening on %s:%d (%s)", shard.shard_id, shard.num_shards, host, bound,

@@ -144,9 +144,9 @@ class PSClient:
             self.live_workers = list(replies[0].live_workers) or self.live_workers
         if self.worker_id == 0:
             values = dict(named) | {n: t.detach().to(torch.float32) for n, t in buffers}
-            for shard, rep in enumerate(replies):
-                if not rep.initialized:
-                    self._init_shard(shard, values)
+            # every shard at once: each builds its optimizers on its first Init
+            fresh = [shard for shard, rep in enumerate(replies) if not rep.initialized]
+            list(self.pool.map(lambda shard: self._init_shard(shard, values), fresh))
         return self.pull(min_version=0) if pull else None
 
     def _init_shard(self, shard: int, values: dict[str, torch.Tensor]) -> None:

@@ -160,3 +160,30 @@ def test_server_optimizer_matches_torch_optim(cluster_factory, make_opt, cfg):
             cl.push({"x": g}, step)
             got = cl.pull(min_version=step + 1)["x"]
             assert torch.allclose(got, local.detach(), atol=1e-6, rtol=0), f"diverged at step {step}"
+
+
+def test_worker_zero_initialises_every_shard_at_once(cluster_factory, monkeypatch):
+    """A shard's first Init builds its optimizers (torch's first one imports torch._dynamo: ~1 s of a core);
+    one shard after another, a 4-shard job waited ~4 s before its first step."""
+    from ps.shard import Shard
+    spans, lock = {}, threading.Lock()
+    real_init = Shard.init
+
+    def slow_init(self, values):
+        start = time.monotonic()
+        time.sleep(0.3)
+        done = real_init(self, values)
+        with lock:
+            spans.setdefault(self.shard_id, []).append((start, time.monotonic()))
+        return done
+
+    monkeypatch.setattr(Shard, "init", slow_init)
+    c = cluster_factory(3)
+    params = named(2, sizes=(("a", (64,)), ("b", (64,)), ("c", (64,))))
+    with client(c.addrs) as cl:
+        got = cl.setup(params)
+    assert all(torch.equal(got[n], t) for n, t in params)
+    assert sorted(spans) == [0, 1, 2]
+    first_ends = min(end for s in spans.values() for _, end in s)
+    last_starts = max(start for s in spans.values() for start, _ in s)
+    assert last_starts < first_ends, f"the shards' Inits ran one after another: {spans}"
