@@ -20,16 +20,19 @@ SERVICE = "deltaps.ParameterServer"
 REFUSALS = RefusalLog(logging.getLogger("deltaps.server"))   # one line per (peer, reason) per 10 s
 
 
+def _methods():
+    """The service's method descriptors, from the compiled protos."""
+    return pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]].methods
+
+
 def method_types() -> dict[str, tuple[type, type]]:
-    """RPC name -> (request class, response class), read from the compiled service descriptor."""
-    service = pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]]
-    return {m.name: (getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)) for m in service.methods}
+    """RPC name -> (request class, response class)."""
+    return {m.name: (getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)) for m in _methods()}
 
 
 def streaming_rpcs() -> frozenset[str]:
-    """The RPCs that answer with a stream (Attend), read from the compiled service descriptor."""
-    service = pb.DESCRIPTOR.services_by_name[SERVICE.split(".")[-1]]
-    return frozenset(m.name for m in service.methods if m.server_streaming)
+    """The RPCs that answer with a stream (Attend)."""
+    return frozenset(m.name for m in _methods() if m.server_streaming)
 
 
 STREAMING = streaming_rpcs()

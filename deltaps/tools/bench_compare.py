@@ -28,7 +28,7 @@ import yaml
 
 from deltaps.config import DEVICES
 from deltaps.strategies import parse_mode_spec, split_mode_specs
-from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, netns
+from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, cpu_roles, netns
 from deltaps.tools.bench_nodes import Nodes, cpu_figures
 from deltaps.tools.bench_seeds import merge
 from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
@@ -154,7 +154,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     py = [sys.executable, "-m", "deltaps"]
     S, W = args.servers, args.workers
     worker_nodes = list(range(S, S + W))      # nodes 0..S-1 are shards, S.. are workers
-    servers, workers, script, slowing = [], [], None, None
+    servers, workers, script, slowing, roles = [], [], None, None, None
     t0 = time.perf_counter()
     try:
         if cfg.mode in ("ps", "hybrid"):
@@ -204,6 +204,8 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
                                              bench_faults.training_clock(eval_log.replace("{rank}", "0")))
             script.start()
         logs = [eval_log.replace("{rank}", str(r)) for r in range(W)]
+        roles = cpu_roles.CpuRoles(workers, servers, lambda: all(map(bench_protocol.started, logs)))
+        roles.start()
         failed = bench_protocol.wait_within_cap(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 5.0, logs, cap_s)
         if failed is None:
             return bench_protocol.capped_run(bench_protocol.read_eval_logs(logs), cap_s, args.time_cap)
@@ -213,6 +215,8 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
             raise RuntimeError(f"mode {spec}: {len(failed)} worker(s) failed:\n{logs}")
         after, cpu_after = net.counters(worker_nodes), net.cpu(worker_nodes)
     finally:
+        if roles is not None:
+            roles.stop()
         if script is not None:
             script.stop()
             script.join(10)
@@ -224,7 +228,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
                       if os.path.exists(path)), key=lambda r: r["rank"])   # --kill: a rank killed for good leaves none;
     # ddp-elastic: node r's result may be another rank's (torchrun's rendezvous assigns the ranks)
     out = {**bench_figures.mode_figures(cfg, results, time.perf_counter() - t0, before, after, worker_nodes),
-           **cpu_figures(cpu_before, cpu_after)}
+           **cpu_figures(cpu_before, cpu_after), **roles.figures()}
     return {**out, "kills": script.events} if script is not None else out
 
 
@@ -339,7 +343,7 @@ def compare(args) -> dict:
                     f", target not reached in {m['steps']} steps" if m.get("time_to_target_s") is None else
                     f", target reached at step {m['steps_to_target']} after {m['time_to_target_s']:.2f} s")
                 print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, test acc {m['final_test_accuracy'] * 100:.2f} %"
-                      + reached, flush=True)
+                      + reached + cpu_roles.describe(m), flush=True)
             except (RuntimeError, TimeoutError, OSError, ValueError) as e:
                 store[spec].append({"error": str(e), "seed": seed})
                 print(f"   FAILED: {e}", file=sys.stderr, flush=True)
