@@ -141,12 +141,11 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     """One run of a mode; kills: a fault script; slow: (rank, factor) of a capped straggler (bench_faults.py)."""
     d = os.path.join(tmp, spec.replace(":", "_").replace("=", "-").replace("/", "_"))
     os.makedirs(d, exist_ok=True)
-    eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (cap, kills)
-    watch = cap_s is not None or bool(kills) or bool(slow)
+    eval_log = os.path.join(d, "evals{rank}.jsonl")      # each rank's evaluations as they happen (cap, kills, CPU)
     mode = parse_mode_spec(spec)
     elastic = mode.elastic                      # ddp-elastic: under torchrun, from checkpoints (bench_faults.py)
     ckpt = os.path.join(d, "checkpoint")        # d is this seed's and variant's: every run starts afresh
-    cfg = load_job(None, {**base, **mode.overrides(), **({"eval_log": eval_log} if watch else {}),
+    cfg = load_job(None, {**base, **mode.overrides(), "eval_log": eval_log,
                           **({"ddp_checkpoint_dir": ckpt} if elastic else {})})
     cfg_path = os.path.join(d, "config.yaml")
     with open(cfg_path, "w") as f:
