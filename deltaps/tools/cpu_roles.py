@@ -2,7 +2,8 @@
 
 A mode's report gets `cpu_cores_in_training`: the cores each role used on average over the training window, from
 the moment every rank has begun training (its eval log's start line: start-up and imports excluded) to the first
-worker's exit (or kill):
+worker's exit (a worker killed by `--kill` and restarted does not end it; its restarted process counts whole,
+start-up included):
 - `worker_main`: the workers' main threads — forward, backward, the inner optimizer, evaluations, and whatever
   part of the exchange the training loop itself runs;
 - `worker_threads`: every other thread of the workers (gRPC's, gloo's, a background exchange, torchft's Manager);
@@ -61,6 +62,8 @@ class CpuRoles(threading.Thread):
     def _sample(self) -> None:
         for role, procs in (("worker", list(self.workers)), ("server", list(self.servers))):
             for p in procs:
+                if not hasattr(p, "pid"):      # a killed worker's stand-in until its restart (bench_faults._Down)
+                    continue
                 reading = tree_cpu(p.pid)
                 if reading != (0.0, 0.0):
                     self._last[p.pid] = reading

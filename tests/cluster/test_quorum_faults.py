@@ -53,14 +53,15 @@ def test_a_quorum_job_with_a_straggler_stops_everywhere_at_rank_0s_target(tmp_pa
     """deltaps launch, 3 workers, quorum 2, worker 2 at a third of the speed: rank 0 judges the target and stops the
     job; every rank reports rank 0's step and time, the judged model is the result, the straggler's rounds came late."""
     s = _straggler_job(tmp_path, "quorum:2:grace=0.25", "--steps", "2000", "--eval-every", "16",
-                       "--target-accuracy", "0.9")
+                       "--target-accuracy", "0.93")
     ranks = s["per_worker"]
     stop = ranks[0]["steps_to_target"]
-    assert stop is not None and ranks[0]["final_test_accuracy"] >= 0.9        # the judged model is the result
+    assert stop is not None and ranks[0]["final_test_accuracy"] >= 0.93       # the judged model is the result
     assert all(r["steps_to_target"] == stop and r["time_to_target_s"] == ranks[0]["time_to_target_s"] for r in ranks)
     assert all(r["steps"] < 2000 for r in ranks)                               # nobody trained on to --steps
     assert [bool(r.get("evals")) for r in ranks] == [True, False, False]       # rank 0 alone judges,
-    assert all(r["unjudged_evals"] > 0 and r["eval_s"] > 0 for r in ranks[1:])   # the others pause to evaluate too
+    seen = [(r["unjudged_evals"], r["eval_s"], r["steps"], r["steps_to_target"]) for r in ranks]
+    assert all(r["unjudged_evals"] > 0 and r["eval_s"] > 0 for r in ranks[1:]), seen   # the others pause to evaluate
     assert ranks[2]["straggler_achieved_factor"] == pytest.approx(3.0, rel=0.01)
     stats = s["server_stats"]
     assert all(st["stopped"] for st in stats) and sum(st["late_contributions"] for st in stats) > 0
