@@ -53,17 +53,22 @@ def test_a_quorum_job_with_a_straggler_stops_everywhere_at_rank_0s_target(tmp_pa
     """deltaps launch, 3 workers, quorum 2, worker 2 at a third of the speed: rank 0 judges the target and stops the
     job; every rank reports rank 0's step and time, the judged model is the result, the straggler's rounds came late."""
     s = _straggler_job(tmp_path, "quorum:2:grace=0.25", "--steps", "2000", "--eval-every", "16",
-                       "--target-accuracy", "0.93")
+                       "--target-accuracy", "0.93", "--lr", "0.0001")
     ranks = s["per_worker"]
     stop = ranks[0]["steps_to_target"]
     assert stop is not None and ranks[0]["final_test_accuracy"] >= 0.93       # the judged model is the result
     assert all(r["steps_to_target"] == stop and r["time_to_target_s"] == ranks[0]["time_to_target_s"] for r in ranks)
     assert all(r["steps"] < 2000 for r in ranks)                               # nobody trained on to --steps
     assert [bool(r.get("evals")) for r in ranks] == [True, False, False]       # rank 0 alone judges,
-    seen = [(r["unjudged_evals"], r["eval_s"], r["steps"], r["steps_to_target"]) for r in ranks]
-    assert all(r["unjudged_evals"] > 0 and r["eval_s"] > 0 for r in ranks[1:]), seen   # the others pause to evaluate
-    assert ranks[2]["straggler_achieved_factor"] == pytest.approx(3.0, rel=0.01)
     stats = s["server_stats"]
+    rounds = [r["push_pull_rpcs"] // len(stats) for r in ranks]
+    seen = [(r["unjudged_evals"], r["eval_s"], r["steps"], r["steps_to_target"], n) for r, n in zip(ranks, rounds)]
+    # the others pause to evaluate at every multiple of --eval-every their rounds pass. A rank that joined the running
+    # job late (start-up on 2 shared cores; the quorum does not wait for it) may pass none before the stop, but in 4
+    # rounds of 8 steps it passes two multiples of 16 and only the last round can carry the stop.
+    assert ranks[1]["unjudged_evals"] > 0 and ranks[1]["eval_s"] > 0, seen
+    assert ranks[2]["unjudged_evals"] > 0 or rounds[2] < 4, seen
+    assert ranks[2]["straggler_achieved_factor"] == pytest.approx(3.0, rel=0.01)
     assert all(st["stopped"] for st in stats) and sum(st["late_contributions"] for st in stats) > 0
     assert [r["inner_steps_per_round"] for r in ranks] == [8, 8, 8]
 
