@@ -254,6 +254,9 @@ def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = No
                   **kw) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get a grace period) and, with a
     checkpointer (ps.durability.Checkpointer), write a final checkpoint."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):      # before anyone can learn our port: a stop is always graceful
+        signal.signal(sig, lambda *_: stop.set())
     server, bound = start_server(shard, host, port, **kw)
     # beside serving, while the workers start up: an Init that comes first waits on the import lock
     threading.Thread(target=warm_up, name="optimizer-warm-up", daemon=True).start()
@@ -265,9 +268,6 @@ def serve_forever(shard: Shard, host: str, port: int, port_file: str | None = No
     if port_file:
         from deltaps.exporter import write_port_file
         write_port_file(port_file, bound)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shard %d shutting down", shard.shard_id)
     shard.shutting_down = True      # the Attend streams the stop cancels are not workers gone

@@ -5,7 +5,7 @@ import json
 import sys
 
 from deltaps.cli.env import server_list
-from deltaps.security import add_security_args
+from deltaps.cli.security_args import add_security_args
 
 
 def add_parser(sub) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import shlex
 
+from deltaps.cli.security_args import add_security_args
 from deltaps.config import add_train_args, config_from_args
-from deltaps.security import add_security_args
 
 
 def add_parser(sub) -> None:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from deltaps.cli.env import resolve_server_env
+from deltaps.cli.security_args import add_security_args
 from deltaps.exporter import add_metrics_args
-from deltaps.security import add_security_args
 from deltaps.units import parse_bytes
 
 

@@ -6,9 +6,9 @@ import os
 import sys
 
 from deltaps.cli.env import resolve_worker_env, server_list
+from deltaps.cli.security_args import add_security_args
 from deltaps.config import WORKER_EXCLUDED, add_train_args, config_from_args
 from deltaps.exporter import add_metrics_args
-from deltaps.security import add_security_args
 
 
 def add_parser(sub) -> None:

@@ -23,6 +23,19 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _medians(finished: list[dict]) -> dict:
+    """The first seed's dict with every number that all seeds have replaced by its median, one level of nested
+    dicts included (cpu_cores_in_training); curves and other non-numbers stay the first seed's."""
+    out = dict(finished[0])
+    for key, value in finished[0].items():
+        values = [r.get(key) for r in finished]
+        if _number(value) and all(_number(v) for v in values):
+            out[key] = statistics.median(values)
+        elif isinstance(value, dict) and all(isinstance(v, dict) for v in values):
+            out[key] = _medians(values)
+    return out
+
+
 def merge(runs: list[dict]) -> dict:
     """One mode's per-seed results (each with its `seed`) -> the mode's figures (see the module docstring)."""
     failed = [r for r in runs if "error" in r]
@@ -30,11 +43,7 @@ def merge(runs: list[dict]) -> dict:
         return {"error": f"{len(failed)} of {len(runs)} seeds failed; seed {failed[0]['seed']}: {failed[0]['error']}",
                 "seeds": [{k: r.get(k) for k in ("seed", "error")} for r in runs]}
     finished = [r for r in runs if "median_step_s" in r] or runs     # the cap may stop a seed before it finished
-    out = dict(finished[0])      # curves and other non-numbers: the first finished seed's
-    for key, value in finished[0].items():
-        values = [r.get(key) for r in finished]
-        if _number(value) and all(_number(v) for v in values):
-            out[key] = statistics.median(values)
+    out = _medians(finished)
     for key in EVERY_SEED_OR_NULL:
         values = [r.get(key) for r in runs]
         if key in out:

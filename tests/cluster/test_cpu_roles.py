@@ -1,8 +1,11 @@
 """deltaps/tools/cpu_roles.py on real processes: a training-like child's main thread, an idle server, the window."""
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 from deltaps.tools import torch_probes
 from deltaps.tools.cpu_roles import CpuRoles
@@ -46,7 +49,35 @@ def test_the_window_opens_when_training_has_begun_and_ends_at_the_first_worker_e
         for p in (quick, busy):
             p.kill()
             p.wait()
-    assert 0.5 < got["window_s"] < 1.6, got
+    assert roles._window[0] >= opened and 0.5 < got["window_s"] < 1.6, got
+
+
+def test_a_child_reaped_by_its_node_keeps_its_cpu():
+    """A node (torchrun's agent, say) whose rank trained and was reaped inside the window: the rank's CPU counts."""
+    parent = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "reaping_parent.py"), "600", "1.5"],
+                              cwd=Path(__file__).parents[2])
+    roles = CpuRoles([parent], [], begun=lambda: True)
+    try:
+        roles.start()
+        assert parent.wait(60) == 0
+        roles.stop()
+        got = roles.figures()["cpu_cores_in_training"]
+    finally:
+        parent.kill()
+    assert got["worker_main"] > 0.2, got       # the child's ~1 core while it trained, spread over the whole window
+
+
+def test_a_failing_sampler_gives_no_figures_but_why():
+    class Broken:
+        pid = os.getpid()
+
+        def poll(self):
+            raise OSError("no /proc here")
+    roles = CpuRoles([Broken()], [], begun=lambda: True)
+    roles.start()
+    time.sleep(0.6)
+    roles.stop()
+    assert roles.figures() == {"cpu_roles_error": "OSError: no /proc here"}
 
 
 def test_no_figures_when_training_never_began():

@@ -4,6 +4,7 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +56,7 @@ def test_goodput_is_healthy_over_faulty():
 
 
 def _sleeper():
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return subprocess.Popen(["sleep", "60"])
 
 
 def test_kill_script_follows_the_training_clock_restarts_and_never_shows_a_failure():
@@ -124,9 +125,7 @@ def test_a_straggling_step_takes_factor_times_its_compute():
 
 def test_a_kill_takes_the_whole_process_tree_even_children_in_a_session_of_their_own():
     # a parent that starts a child in a new session, as torchrun's agent starts its worker
-    parent = bench_faults.TreeProcess([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen("
-                                       "[sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
-                                       "time.sleep(60)"])
+    parent = bench_faults.TreeProcess([sys.executable, str(Path(__file__).parents[1] / "session_parent.py")])
     deadline = time.monotonic() + 20
     while not bench_faults.descendants(parent.pid) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -19,6 +19,15 @@ def test_medians_and_range_when_every_seed_reached():
     assert [s["seed"] for s in m["seeds"]] == [0, 1, 2] and m["seeds"][1]["time_to_target_s"] == 6.0
 
 
+def test_nested_figures_are_medians_too():
+    """cpu_cores_in_training is a dict per seed: the mode's figures are their medians, each seed's stay in seeds."""
+    cores = [{"worker_main": w, "servers": s, "host_cores": 2} for w, s in ((1.6, 0.1), (1.9, 0.3), (1.7, 0.2))]
+    runs = [{**_run(i, 4.0 + i, 300, 9.0), "cpu_cores_in_training": c} for i, c in enumerate(cores)]
+    m = merge(runs)
+    assert m["cpu_cores_in_training"] == {"worker_main": 1.7, "servers": 0.2, "host_cores": 2}
+    assert [s["cpu_cores_in_training"] for s in m["seeds"]] == cores
+
+
 def test_a_seed_that_missed_makes_the_mode_not_reached():
     m = merge([_run(0, 4.0, 300, 9.0), _run(1, None, None, 10.0), _run(2, 5.0, 320, 12.0)])
     assert m["time_to_target_s"] is None and m["steps_to_target"] is None     # never a median of the lucky ones
