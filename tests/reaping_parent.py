@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-from deltaps.tools import torch_probes
+from deltaps.tools.children import module_command   # not torch_probes itself: this parent stays light (no torch)
 
 if __name__ == "__main__":
     steps, sleep_s = int(sys.argv[1]), float(sys.argv[2])
-    subprocess.run(torch_probes.command("compute", 256, 2, 64, steps, time.time()), check=True,
+    subprocess.run(module_command("deltaps.tools.torch_probes", "compute", 256, 2, 64, steps, time.time()), check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(sleep_s)

@@ -64,7 +64,9 @@ def test_a_child_reaped_by_its_node_keeps_its_cpu():
         got = roles.figures()["cpu_cores_in_training"]
     finally:
         parent.kill()
-    assert got["worker_main"] > 0.2, got       # the child's ~1 core while it trained, spread over the whole window
+    # the child's ~1 core while it ran, over the whole window; without the child's own reading only the parent's
+    # few imports would count (~0.02-0.05)
+    assert got["worker_main"] > 0.3, got
 
 
 def test_a_failing_sampler_gives_no_figures_but_why():
