@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from deltaps.tools.children import module_command   # not torch_probes itself: this parent stays light (no torch)
+from deltaps.tools.children import module_command  # not torch_probes itself: this parent stays light (no torch)
 
 if __name__ == "__main__":
     steps, sleep_s = int(sys.argv[1]), float(sys.argv[2])
