@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:      # torch is imported where it is used: `deltaps ctl` (the rollback switch) starts without it
+    import torch
 
 SUPPORTED = ("sgd", "adam")
 
@@ -29,6 +31,7 @@ class OptimizerConfig:
     @classmethod
     def from_torch(cls, opt: torch.optim.Optimizer) -> "OptimizerConfig":
         """Take hyper-parameters from a local torch optimizer (the DistributedOptimizer wrapper does)."""
+        import torch
         g = opt.param_groups[0]
         if isinstance(opt, torch.optim.Adam):
             b1, b2 = g["betas"]

@@ -1,11 +1,15 @@
 """The cost model's inputs (deltaps/tools/costmodel.py): a measured `Calibration` of this host and its links
-(deltaps/tools/advise measures one: `deltaps advise --calibrate`), the codecs' measured speeds and the `Job`."""
+(deltaps/tools/advise measures one: `deltaps advise --calibrate`), the codecs' measured speeds, the `Job` and the
+strategies it predicts. No torch here: `deltaps advise`'s flags are built from this module on every command."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
 from deltaps.layout import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, fused_message_bytes
+
+PREDICTED = "allreduce (alias ddp), ps:<codec> (alias ps-bsp:<codec>) or ps-local<H>[x<F>][o<tau>]:<codec>"
+DEFAULT_STRATEGIES = ["allreduce", "ps:none", "ps:int8", "ps:topk:ratio=0.01"]    # what `deltaps advise` compares
 
 
 @dataclass

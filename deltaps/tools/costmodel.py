@@ -51,7 +51,7 @@ from deltaps.layout import (
 from deltaps.optimizer_config import overlap_steps
 from deltaps.pull_codec import resolve_pull_codec
 from deltaps.strategies import ModeSpec, parse_mode_spec
-from deltaps.tools.cost_inputs import IDENTITY, Calibration, CodecSpeed, Job, canonical
+from deltaps.tools.cost_inputs import IDENTITY, PREDICTED, Calibration, CodecSpeed, Job, canonical
 
 
 def pull_codec_for(push: str) -> str:
@@ -241,9 +241,6 @@ def predict_local(cal: Calibration, job: Job, codec: str, local_steps: int, frag
             "overlap_steps": tau}
 
 
-PREDICTED = "allreduce (alias ddp), ps:<codec> (alias ps-bsp:<codec>) or ps-local<H>[x<F>][o<tau>]:<codec>"
-
-
 def predict(cal: Calibration, job: Job, strategy: str) -> dict:
     """strategy: a mode spec (deltaps/strategies.py) this model predicts: 'allreduce' (fp32 DDP), 'ps:<codec spec>'
     (ps:none, ps:int8, ps:topk:ratio=0.01, ...) or a local-update job 'ps-local<H>[x<F>][o<tau>]:<codec spec>'
@@ -269,6 +266,6 @@ def mlp_tensors(hidden: int, layers: int, in_features: int = 64, classes: int = 
     return out
 
 
-__all__ = ["Calibration", "CodecSpeed", "IDENTITY", "Job", "canonical", "predict", "predict_allreduce", "predict_ps",
+__all__ = ["Calibration", "CodecSpeed", "IDENTITY", "Job", "PREDICTED", "canonical", "predict", "predict_allreduce", "predict_ps",
            "predict_local", "ring_allreduce_bytes", "ring_allreduce_time", "ps_link_bytes", "training_cost", "mlp_tensors",
            "pull_codec_for"]

@@ -15,24 +15,28 @@ Accuracy deltas and measured compression ratios come from `deltaps bench compare
 """
 from __future__ import annotations
 
-from deltaps.tools.advise.advice import COMM_SHARE_THRESHOLD, advise, recommend
-from deltaps.tools.advise.calibration import (
-    DEFAULT_STRATEGIES,
-    auto_chunk_bytes,
-    calibrate,
-    calibration_for,
-    job_for,
-    merge_profiles,
-)
-from deltaps.tools.advise.cli import add_arguments, main, main_args
-from deltaps.tools.advise.netprobes import probe_allreduce, probe_host_network, probe_network, probe_ps_host
-from deltaps.tools.advise.probes import probe_codecs, probe_compute, probe_cpu_kernels, probe_grpc, ps_cycle_time
-from deltaps.tools.advise.report import format_report, plot
-from deltaps.tools.advise.validation import predict_cell, validate
+import importlib
 
-__all__ = [
-    "COMM_SHARE_THRESHOLD", "DEFAULT_STRATEGIES", "add_arguments", "advise", "auto_chunk_bytes", "calibrate",
-    "calibration_for", "format_report", "job_for", "main", "main_args", "merge_profiles", "plot", "predict_cell",
-    "probe_allreduce", "probe_codecs", "probe_compute", "probe_cpu_kernels", "probe_grpc", "probe_host_network",
-    "probe_network", "probe_ps_host", "ps_cycle_time", "recommend", "validate",
-]
+# name -> the module that holds it, imported on first use (PEP 562): `deltaps`'s parser reads add_arguments on
+# every command, and the probes and the cost model import torch, which the rollback switch (`deltaps ctl`) need not
+_HOMES = {
+    "COMM_SHARE_THRESHOLD": "advice", "advise": "advice", "recommend": "advice",
+    "DEFAULT_STRATEGIES": "calibration", "auto_chunk_bytes": "calibration", "calibrate": "calibration",
+    "calibration_for": "calibration", "job_for": "calibration", "merge_profiles": "calibration",
+    "add_arguments": "cli", "main": "cli", "main_args": "cli",
+    "probe_allreduce": "netprobes", "probe_host_network": "netprobes", "probe_network": "netprobes",
+    "probe_ps_host": "netprobes",
+    "probe_codecs": "probes", "probe_compute": "probes", "probe_cpu_kernels": "probes", "probe_grpc": "probes",
+    "ps_cycle_time": "probes",
+    "format_report": "report", "plot": "report",
+    "predict_cell": "validation", "validate": "validation",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value

@@ -11,9 +11,8 @@ from deltaps.strategies import parse_mode_spec, ps_codecs
 from deltaps.tools import costmodel as cm
 from deltaps.tools.advise.netprobes import probe_allreduce, probe_host_network, probe_network, probe_ps_host
 from deltaps.tools.advise.probes import probe_codecs, probe_compute, probe_cpu_kernels, probe_grpc
+from deltaps.tools.cost_inputs import DEFAULT_STRATEGIES
 from deltaps.units import parse_rate
-
-DEFAULT_STRATEGIES = ["allreduce", "ps:none", "ps:int8", "ps:topk:ratio=0.01"]
 
 
 def calibrate(hidden: int, layers: int, batch_size: int, bandwidths: list[str], concurrency=(1, 2, 4),

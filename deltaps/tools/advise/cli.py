@@ -7,11 +7,10 @@ import json
 import sys
 
 from deltaps.strategies import ps_codecs, split_mode_specs
-from deltaps.tools import costmodel as cm
-from deltaps.tools.advise.advice import advise
-from deltaps.tools.advise.calibration import DEFAULT_STRATEGIES, calibrate, merge_profiles
-from deltaps.tools.advise.report import format_report, plot
-from deltaps.tools.advise.validation import validate
+from deltaps.tools.cost_inputs import DEFAULT_STRATEGIES, PREDICTED
+
+# The probes, the cost model and the report are imported where they run: every `deltaps` command builds the
+# advise flags (add_arguments), and the rollback switch (`deltaps ctl`) should not wait for torch's import.
 
 # the package docstring's first line (kept here: importing the package from this module would be a cycle)
 DESCRIPTION = "`deltaps advise`: a measured profile -> predicted step time and cost of each strategy at cluster scale."
@@ -31,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "4 keys per shard)")
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                    help=f"comma-separated strategies, mode specs as bench compare's --modes (deltaps/strategies.py) "
-                        f"that the cost model predicts: {cm.PREDICTED} (local-update job: --local-steps H, F stream "
+                        f"that the cost model predicts: {PREDICTED} (local-update job: --local-steps H, F stream "
                         f"fragments, each exchange overlapping tau inner steps)")
     p.add_argument("--steps", type=int, default=100000, help="training steps to cost")
     p.add_argument("--gpu-hour-usd", type=float, default=2.5, help="price of one GPU-hour")
@@ -48,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(args) -> int:
+    from deltaps.tools.advise.advice import advise
+    from deltaps.tools.advise.calibration import calibrate, merge_profiles
+    from deltaps.tools.advise.report import format_report, plot
     if args.calibrate:
         bws = [b.strip() for b in (args.bandwidth or "1gbit").split(",") if b.strip()]
         codecs = ps_codecs(split_mode_specs(args.strategies))
@@ -102,6 +104,7 @@ def main(argv=None) -> int:
         p.add_argument("--profile", action="append", help="use this calibration instead of probing")
         p.add_argument("--tolerance", type=float, default=0.25)
         p.add_argument("--netns-prefix", default="dpsv")
+        from deltaps.tools.advise.validation import validate
         return validate(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(prog="deltaps advise", description=DESCRIPTION)
     add_arguments(p)
