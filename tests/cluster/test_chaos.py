@@ -1,6 +1,7 @@
 """Chaos with real processes on loopback: kill -9 a shard (restart it with --restore on the same port),
 kill -9 a worker (eviction, then rejoin), SIGTERM writes a final checkpoint."""
 import json
+import re
 import signal
 import subprocess
 import time
@@ -11,6 +12,7 @@ from helpers import DELTAPS, ROOT, Procs, client, named, server_proc, start_shar
 
 from deltaps.tools.launch import free_port
 from ps.durability import restore_latest
+from ps.reaper import reaper_tick
 from ps.shard import Shard
 
 pytestmark = pytest.mark.slow
@@ -118,7 +120,12 @@ def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
     resumed = time.monotonic() - t_kill
     print(f"\nworker 1 kill -9 at version {v_kill}: worker 0 made progress again after {resumed:.2f}s "
           f"(worker-timeout {timeout}s)")
-    assert resumed <= timeout + 1.0, resumed
+    # the shard's own clock: evicted within a reaper tick of the timeout (a little slack for a sleep on a loaded box)
+    silent = re.findall(r"evicted worker 1 \(silent for ([0-9.]+)s", (procs.tmp / "server0.log").read_text())
+    assert silent and float(silent[-1]) <= timeout + reaper_tick(timeout) + 0.3, silent
+    # end to end (eviction, the blocked round applied, two more rounds, this test's polling): seconds, not the
+    # shards' --wait-timeout
+    assert resumed <= timeout + 3.0, resumed
     assert list(st.live_workers) == [0] and st.evictions == e0 + 1 and v0 >= 100
     workers[1] = procs.add(worker_proc(1, addrs, tmp_path, procs.log("worker1-rejoined"), "--steps", str(steps)))
     t0 = time.monotonic()
