@@ -24,8 +24,8 @@ def _number(v) -> bool:
 
 
 def _medians(finished: list[dict]) -> dict:
-    """The first seed's dict with every number that all seeds have replaced by its median, one level of nested
-    dicts included (cpu_cores_in_training); curves and other non-numbers stay the first seed's."""
+    """The first seed's dict with every number that all seeds have replaced by its median, in nested dicts too
+    (cpu_cores_in_training, straggler); curves and other non-numbers stay the first seed's."""
     out = dict(finished[0])
     for key, value in finished[0].items():
         values = [r.get(key) for r in finished]

@@ -23,7 +23,7 @@ def test_a_killed_worker_does_not_stall_the_rounds(procs, tmp_path):
     # kill it once it is provably in the job (registered, Attend open, a delta in): a round of 3 contributions.
     # Rounds close on workers 0 and 1 alone, so on 2 shared cores worker 2 may still be starting up at version 3.
     deadline = time.monotonic() + 120
-    while not (len(sc := stats(addrs[0]).step_contributors) > 3 and sc[3] > 0):
+    while not ((st := stats(addrs[0])) is not None and len(st.step_contributors) > 3 and st.step_contributors[3] > 0):
         assert time.monotonic() < deadline and workers[2].poll() is None, procs.tail()
         time.sleep(0.05)
     workers[2].send_signal(signal.SIGKILL)

@@ -28,5 +28,6 @@ def test_operator_commands_start_without_torch(argv):
 def test_the_advise_package_still_gives_its_names():
     from deltaps.tools import advise
     assert advise.DEFAULT_STRATEGIES[0] == "allreduce" and callable(advise.calibrate)
+    assert all(getattr(advise, name) is not None for name in advise.__all__)     # every home in the map is right
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         getattr(advise, "nope")  # noqa: B009 (the lookup is what is tested)

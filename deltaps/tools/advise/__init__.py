@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import importlib
 
-# name -> the module that holds it, imported on first use (PEP 562): `deltaps`'s parser reads add_arguments on
-# every command, and the probes and the cost model import torch, which the rollback switch (`deltaps ctl`) need not
+# name -> the module that holds it (relative to this package), imported on first use (PEP 562): `deltaps`'s parser
+# reads add_arguments on every command, and the probes and the cost model import torch, which the rollback switch
+# (`deltaps ctl`) need not
 _HOMES = {
-    "COMM_SHARE_THRESHOLD": "advice", "advise": "advice", "recommend": "advice",
-    "DEFAULT_STRATEGIES": "calibration", "auto_chunk_bytes": "calibration", "calibrate": "calibration",
-    "calibration_for": "calibration", "job_for": "calibration", "merge_profiles": "calibration",
-    "add_arguments": "cli", "main": "cli", "main_args": "cli",
-    "probe_allreduce": "netprobes", "probe_host_network": "netprobes", "probe_network": "netprobes",
-    "probe_ps_host": "netprobes",
-    "probe_codecs": "probes", "probe_compute": "probes", "probe_cpu_kernels": "probes", "probe_grpc": "probes",
-    "ps_cycle_time": "probes",
-    "format_report": "report", "plot": "report",
-    "predict_cell": "validation", "validate": "validation",
+    "COMM_SHARE_THRESHOLD": ".advice", "advise": ".advice", "recommend": ".advice",
+    "DEFAULT_STRATEGIES": "..cost_inputs", "auto_chunk_bytes": ".calibration", "calibrate": ".calibration",
+    "calibration_for": ".calibration", "job_for": ".calibration", "merge_profiles": ".calibration",
+    "add_arguments": ".cli", "main": ".cli", "main_args": ".cli",
+    "probe_allreduce": ".netprobes", "probe_host_network": ".netprobes", "probe_network": ".netprobes",
+    "probe_ps_host": ".netprobes",
+    "probe_codecs": ".probes", "probe_compute": ".probes", "probe_cpu_kernels": ".probes", "probe_grpc": ".probes",
+    "ps_cycle_time": ".probes",
+    "format_report": ".report", "plot": ".report",
+    "predict_cell": ".validation", "validate": ".validation",
 }
 __all__ = sorted(_HOMES)
 
@@ -37,6 +38,6 @@ __all__ = sorted(_HOMES)
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
     globals()[name] = value
     return value
