@@ -37,6 +37,16 @@ def test_torchft_diloco_is_deltaps_local_updates_with_the_same_outer_nesterov(jo
     assert ft["final_test_accuracy"] == pytest.approx(ps["final_test_accuracy"])
 
 
+def test_the_lm_s_own_parameter_is_synced_too(tmp_path):
+    # the byte transformer's `position` belongs to the root module, outside every child torchft's fragments are
+    # cut from: unsynced, each replica kept its own and the peer trailed deltaps on lm (worker/trainers/torchft_peer.py)
+    lm = dict(workload="lm", steps=8, batch_size=8, layers=1)
+    _, ft_model = _run(tmp_path, mode="torchft", **lm)
+    _, ps_model = _run(tmp_path, mode="ps", **lm)
+    assert "position" in ft_model
+    assert max((ft_model[k] - ps_model[k]).abs().max().item() for k in ft_model) < 1e-6
+
+
 def test_a_spec_s_own_outer_settings_reach_both_sides(tmp_path, job_runs):
     from deltaps.strategies import parse_mode_spec
     outer = ":outer=sgd:outer_lr=0.5:outer_momentum=0.5"       # not the JOB's nesterov 0.7 / 0.9

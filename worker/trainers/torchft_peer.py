@@ -43,9 +43,23 @@ WIRE_TORCH_DTYPES = dict(zip(WIRE_DTYPES, (torch.float32, torch.float16, torch.b
 TIMING_METHOD = "torchft: blocked = torchft's sync hook after the inner optimizer step (quorum, allreduce, outer step)"
 
 
+class OwnParameters(nn.Module):
+    """The root module's own parameters (the same Parameter objects, e.g. the lm's `position`), as a module: torchft's
+    fragments are modules, and a parameter no fragment holds would never be synced (each replica keeping its own)."""
+
+    def __init__(self, params: dict[str, nn.Parameter]):
+        super().__init__()
+        for name, p in params.items():
+            self.register_parameter(name, p)
+
+
 def fragments(model: nn.Module, count: int) -> list[nn.Module]:
-    """The model's top-level modules with parameters, cut into `count` contiguous groups of about equal size."""
+    """The model's top-level modules with parameters (its own parameters first, as model.parameters() orders them),
+    cut into `count` contiguous groups of about equal size: every parameter in exactly one group."""
     blocks = [m for m in model.children() if any(True for _ in m.parameters())]
+    own = dict(model.named_parameters(recurse=False))
+    if own:
+        blocks.insert(0, OwnParameters(own))
     if count > len(blocks):
         raise ValueError(f"--stream-fragments {count}: the model has only {len(blocks)} top-level parts with parameters")
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
