@@ -33,7 +33,7 @@ def test_torchrec_trains_what_ddp_with_a_dense_adagrad_table_trains(tmp_path, dd
     tr, tr_model = _run(tmp_path, mode="torchrec")
     ar, ar_model = ddp_run
     assert tr_model.keys() == ar_model.keys() and tr_model["emb.weight"].shape == (20000, 16)
-    # the same hash init, the same Adagrad (scale-invariant: TorchRec sums the table's gradient over ranks)
+    # the same hash init, the same Adagrad
     assert max((tr_model[k] - ar_model[k]).abs().max().item() for k in tr_model) < 1e-3
     assert tr["final_train_loss"] == pytest.approx(ar["final_train_loss"], abs=1e-4)
     w = tr["per_worker"][0]
@@ -42,6 +42,15 @@ def test_torchrec_trains_what_ddp_with_a_dense_adagrad_table_trains(tmp_path, dd
     assert plan["sharding"] in ("table_wise", "column_wise", "table_column_wise") and plan["ranks"]
     assert w["table_optimizer"] == "fused adagrad" and w["a2a_bytes_model"] > 0 and w["dense_ring_bytes"] > 0
     assert sum(p["table_values_held"] for p in tr["per_worker"]) == 20000 * 16     # each value on one rank
+
+
+def test_an_sgd_table_moves_as_far_as_ddp_s(tmp_path):
+    # SGD is not scale-invariant: the same rows as DDP's only if TorchRec's backward averages the table's gradient
+    # over the ranks as DDP does (its comm_ops' gradient division), not sums it
+    sgd = dict(embedding_optimizer="sgd", embedding_lr=0.5)
+    _, tr_model = _run(tmp_path, mode="torchrec", **sgd)
+    _, ar_model = _run(tmp_path, mode="allreduce", **sgd)
+    assert max((tr_model[k] - ar_model[k]).abs().max().item() for k in tr_model) < 1e-3
 
 
 def test_column_wise_sharding_cuts_the_table_over_every_rank_and_trains_the_same(tmp_path, ddp_run):

@@ -11,9 +11,9 @@ optimizer fused into backward (`apply_optimizer_in_backward`: --embedding-optimi
 EXACT_ADAGRAD, eps 1e-10, as torch.optim.Adagrad), and wraps the rest of the model in DDP (its dense buckets
 optionally through torch's fp16 / bf16 hook, --ddp-hook). The dense part steps with --optimizer, as every mode.
 Every table starts from the PS's hash init (deltaps.embedding.init_rows), written into each rank's shards,
-so the race's modes share the initial model. Adagrad is scale-invariant, so TorchRec summing the table's
-gradient over ranks where DDP and the shards average it yields the same updates (up to eps; tested against
---mode allreduce).
+so the race's modes share the initial model. TorchRec divides the table's gradient by the world size in its
+backward all-to-all (torchrec.distributed.comm_ops.GRADIENT_DIVISION, on by default), so the table's step is the
+mean gradient's, as in DDP and on the shards (SGD and Adagrad both tested against --mode allreduce).
 
 Timing: blocked = the exposed part of DDP's dense allreduce (our timing hook on DMP's DDP); TorchRec's
 all-to-alls of ids, pooled rows and their gradients run inside forward and backward and count as compute.
