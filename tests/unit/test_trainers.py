@@ -216,13 +216,11 @@ def test_torchft_fragments_hold_every_parameter_once(workload):
     from worker.workloads.base import get_workload
     model = get_workload(TrainConfig(workload=workload, hidden=64, layers=2)).build_model()
     every = {id(p) for p in model.parameters()}
-    count = 1
-    while True:
-        try:
-            parts = fragments(model, count)
-        except ValueError:
-            break
+    blocks = len(fragments(model, 1)[0])         # one fragment: every top-level part with parameters
+    assert blocks >= 2
+    for count in range(1, blocks + 1):
+        parts = fragments(model, count)
         held = [id(p) for part in parts for p in part.parameters()]
         assert len(parts) == count and len(held) == len(set(held)) and set(held) == every, count
-        count += 1
-    assert count > 2
+    with pytest.raises(ValueError, match="top-level parts"):
+        fragments(model, blocks + 1)

@@ -4,7 +4,8 @@ LocalSGD), run from the torchft package (optional extra `peers`), never re-imple
 Every worker is one torchft replica group of one process: a TCPStore of its own, a `Manager` (synchronous
 quorum, all --world-size replicas required, the Lighthouse at --lighthouse / $TORCHFT_LIGHTHOUSE, this worker's
 own address advertised) over torchft's reconfigurable `ProcessGroupGloo`. The model is cut into
---stream-fragments contiguous fragments of its top-level modules; `DiLoCo(manager, fragments, inner, outer,
+--stream-fragments contiguous fragments of its top-level modules (the root's own parameters first, as a module of
+their own, so every parameter syncs); `DiLoCo(manager, fragments, inner, outer,
 sync_every=--local-steps, fragment_sync_delay=--overlap-steps)` with the inner optimizer --optimizer/--lr and
 the outer one the deltaps modes use (--outer-optimizer/--outer-lr/--outer-momentum: nesterov = SGD(nesterov=True),
 sgd = heavy ball, avg = SGD(lr=1), i.e. the mean of the local models); `--torchft-algorithm localsgd` runs
