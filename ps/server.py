@@ -93,11 +93,14 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         if pull.worker_id != push.worker_id or pull.server_id != push.server_id:
             raise ShardError("INVALID_ARGUMENT", "PushPull: the pull's worker_id/server_id differ from the push's")
         rep = pb.PushPullResponse()      # filled in place: no merge copies of the bodies
-        self._push(push, rep.push)
-        self._pull(pull, context, rep.pull)
+        realign = self._push(push, rep.push)
+        if not set(pull.keys) <= {c.key for c in push.grads}:   # the push says nothing of the other keys' rounds
+            realign = 0
+        self._pull(pull, context, rep.pull, max(pull.min_version, realign))
         return rep
 
-    def _push(self, req, rep) -> None:
+    def _push(self, req, rep) -> int:
+        """Apply a push into `rep`; returns the version a PushPull's pull waits for beyond its own (0: none)."""
         self._check_server_id(req)
         grads, nbytes = [], 0
         for c in req.grads:
@@ -105,14 +108,17 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
             grads.append((c.key, g))
             nbytes += n
         self.shard.counters["bytes_received"] += nbytes
-        dup, versions = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions), req.inner_steps)
+        dup, versions, realign = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions),
+                                                 req.inner_steps)
         rep.duplicate.extend(dup)
         rep.versions.extend(versions)
         rep.server_id, rep.durable_step = self.shard.server_id, self.shard.durable_step(req.worker_id)
+        return realign
 
-    def _pull(self, req, context, rep) -> None:
+    def _pull(self, req, context, rep, min_version: int | None = None) -> None:
         self._check_server_id(req)
-        items, waited = self.shard.pull(list(req.keys), req.min_version, req.timeout_s,
+        min_version = req.min_version if min_version is None else min_version
+        items, waited = self.shard.pull(list(req.keys), min_version, req.timeout_s,
                                         list(req.have_versions) or None, worker=req.worker_id,
                                         alive=context.is_active)
         nbytes = 0

@@ -26,7 +26,7 @@ from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView
-from ps.rounds import QuorumRounds
+from ps.rounds import QuorumRounds, realigned_pull
 from ps.shard_stats import shard_stats
 from ps.state import Job, KeyState
 
@@ -147,7 +147,7 @@ class Shard(Membership):
 
     # ---- push ------------------------------------------------------------------------------
     def push(self, worker: int, step: int, grads: list[tuple[str, "Decoded | torch.Tensor"]],
-             pulled_versions: list[int], inner_steps: int = 0) -> tuple[list[bool], list[int]]:
+             pulled_versions: list[int], inner_steps: int = 0) -> tuple[list[bool], list[int], int]:
         job = self._require_job()
         if inner_steps and not 0 < inner_steps <= job.local_steps:
             raise ShardError("INVALID_ARGUMENT", f"inner_steps {inner_steps}: a round's delta covers 1 .. --local-steps "
@@ -183,13 +183,15 @@ class Shard(Membership):
                 raise ShardError("FAILED_PRECONDITION",
                                  f"worker {worker} pushed step {step} for key {key!r} but its next step is {expected}")
             checked.append((ks, g, pulled_versions[i] if pulled_versions else step))
-        dup, versions = [], []
+        dup, versions, landed = [], [], []
         for ks, g, pulled in checked:
-            d, v = self._apply(job, ks, worker, step, g, pulled, inner_steps)
+            d, v, late_in = self._apply(job, ks, worker, step, g, pulled, inner_steps)
             dup.append(d)
             versions.append(v)
+            landed.append(late_in)
         self.counters["pushes"] += 1
-        return dup, versions
+        # the version a PushPull's pull waits for: a worker whose whole push landed late waits to be back in phase
+        return dup, versions, realigned_pull(landed) if job.sync.kind == "quorum" else 0
 
     def _apply(self, job: Job, ks: KeyState, worker: int, step: int, g: Decoded, pulled: int, inner_steps: int = 0):
         with ks.cond:
@@ -197,7 +199,7 @@ class Shard(Membership):
                 self._wait_for_step(ks, worker, step)
             if step < ks.pushed.get(worker, 0):
                 self.counters["duplicates"] += 1
-                return True, ks.version
+                return True, ks.version, None
             # rounds the gradient or delta missed (quorum: a late delta lands on the open round)
             lag = max(0, (ks.version if job.sync.kind == "quorum" else step) - pulled)
             self.staleness[lag] += 1
@@ -207,8 +209,10 @@ class Shard(Membership):
             if self.stopped is not None:     # the job's model is the one its target was judged on
                 self.counters["after_stop"] += 1
             elif job.sync.rounds:
+                late_in = ks.version if step < ks.version else None     # the open round a late delta lands in
                 self._contribute(ks, worker, step, g, job.sync.weight(lag, inner_steps, job.local_steps),
                                  job.sync.share(inner_steps, job.local_steps))
+                return False, ks.version, late_in
             else:
                 if ks.spec.is_buffer:
                     buffers.assign(ks, worker, g, self.live)
@@ -222,7 +226,7 @@ class Shard(Membership):
                     ks.version = version
                     self._publish(ks)
                 ks.cond.notify_all()
-            return False, ks.version
+            return False, ks.version, None
 
     def _contribute(self, ks: KeyState, worker: int, step: int, g: Decoded | None, weight: float = 1.0,
                     share: float = 1.0) -> None:

@@ -227,7 +227,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
                       if os.path.exists(path)), key=lambda r: r["rank"])   # --kill: a rank killed for good leaves none;
     # ddp-elastic: node r's result may be another rank's (torchrun's rendezvous assigns the ranks)
     out = {**bench_figures.mode_figures(cfg, results, time.perf_counter() - t0, before, after, worker_nodes),
-           **cpu_figures(cpu_before, cpu_after), **roles.figures()}
+           **cpu_figures(cpu_before, cpu_after), **roles.figures(), "start_skew_s": bench_protocol.start_skew_s(logs)}
     return {**out, "kills": script.events} if script is not None else out
 
 

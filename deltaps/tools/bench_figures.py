@@ -54,6 +54,9 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
     out["compute_s_per_step_per_worker"] = [r["compute_s"] / max(1, r["steps"]) for r in results]
     if any(r.get("inner_steps_per_round") for r in results):
         out["inner_steps_per_round_per_worker"] = [r.get("inner_steps_per_round") for r in results]
+    shards = next((r["server_stats"] for r in results if r.get("server_stats")), None)
+    if shards and cfg.local_steps:     # local-update rounds, from the shards' counters (rank 0 reads them at the end)
+        out["rounds"] = round_figures(shards)
     slow = [r for r in results if r.get("straggler_factor")]
     if slow:     # --straggler: the slow-down asked for and the one measured (compute + sleep) / compute
         out["straggler"] = {"rank": slow[0]["rank"], "factor": slow[0]["straggler_factor"],
@@ -73,6 +76,18 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
         out["timing_method"] = ("PS DistributedOptimizer: blocked = time step() waits for pushes/pulls; "
                                 "wait = server-side wait for other workers (BSP); comm = blocked - wait")
     return out
+
+
+def round_figures(shards: list[dict]) -> dict:
+    """A local-update job's rounds as the shards counted them, per key (each key closes its rounds on its own):
+    rounds applied (the fewest of any key), late contributions per key, and the share of the key-rounds that closed
+    with n contributions (index n) — a dead or late worker shows as rounds of fewer."""
+    keys = max(1, sum(s["num_keys"] for s in shards))
+    width = max((len(s["step_contributors"]) for s in shards), default=0)
+    closed = [sum(s["step_contributors"][n] for s in shards if n < len(s["step_contributors"])) for n in range(width)]
+    return {"applied": min(s["min_version"] for s in shards),
+            "late_contributions_per_key": sum(s["late_contributions"] for s in shards) / keys,
+            "contributors_share": [round(c / max(1, sum(closed)), 4) for c in closed]}
 
 
 def model_params(base: dict) -> int:

@@ -94,6 +94,14 @@ def started(path: str) -> bool:
     return any(r.get("started") for r in _eval_log_rows(path))
 
 
+def start_skew_s(paths: list[str]) -> float | None:
+    """How far apart the ranks' clocks started: the spread of their first `started` rows' wall times (a restarted
+    rank's later starts left out); None when a rank has not started or its log predates the wall field. A rank that
+    starts late holds up every round (bsp, a torchft quorum) and that wait counts in the others' training time."""
+    walls = [next((r.get("wall") for r in _eval_log_rows(path) if r.get("started")), None) for path in paths]
+    return round(max(walls) - min(walls), 3) if walls and all(w is not None for w in walls) else None
+
+
 def past_cap(eval_logs: list[list[dict]], cap_s: float) -> bool:
     """True when the mode can no longer reach the target within cap_s: no rank's evaluation has reached it and some
     rank evaluated after more than cap_s training seconds (time to target is the largest over the ranks)."""

@@ -103,6 +103,39 @@ def test_a_worker_skips_to_the_open_round_but_never_past_it(cluster_factory):
         cl.close()
 
 
+def _push_pull(cl, value: float, step: int, view: dict) -> None:
+    """A round's PushPull, as a local-update worker sends it: the delta up, the next version into `view`."""
+    keys = cl.keys_by_shard(["w"])[0]
+    cl.push_pull_keys(0, keys, {"w": torch.full((N,), value)}, step, step + 1, view)
+
+
+def test_a_worker_whose_delta_landed_late_waits_to_be_back_in_phase(cluster_factory):
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0")
+    w0.push({"w": torch.ones(N)}, 0)
+    w1.push({"w": torch.full((N,), 3.0)}, 0)        # round 0 closes without worker 2 (quorum 2): version 1
+    views = [{"w": _value(cl)} for cl in (w0, w2)]
+    # worker 2's round-0 delta lands late, in round 1: worker 2 is in round 1 now, so its pull waits for round 1 to
+    # close instead of handing it version 1, which the others are halfway through (trained on, its delta would land
+    # late again, and so on: a round behind for good)
+    late = threading.Thread(target=_push_pull, args=(w2, 8.0, 0, views[1]))
+    late.start()
+    time.sleep(0.5)
+    assert late.is_alive() and c.shards[0].stats()["max_version"] == 1
+    _push_pull(w0, 2.0, 1, views[0])                # round 1 closes: the late delta and this one
+    late.join(5)
+    assert not late.is_alive()
+    assert torch.equal(views[1]["w"], views[0]["w"]) and torch.equal(views[0]["w"], torch.full((N,), -2.0 - 5.0))
+    on_time = threading.Thread(target=_push_pull, args=(w0, 1.0, 2, views[0]))
+    on_time.start()
+    _push_pull(w2, 3.0, 2, views[1])                # back in phase: its round-2 delta is on time
+    on_time.join(5)
+    st = c.shards[0].stats()
+    assert st["max_version"] == 3 and st["late_contributions"] == 1
+    assert torch.equal(views[1]["w"], torch.full((N,), -7.0 - 2.0))
+    for cl in (w0, w1, w2):
+        cl.close()
+
+
 def test_the_grace_window_waits_for_a_straggler_then_closes_without_it(cluster_factory):
     c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0.6s")
     w0.push({"w": torch.ones(N)}, 0)

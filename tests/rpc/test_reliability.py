@@ -115,9 +115,9 @@ def test_retried_push_is_acked_not_applied_in_every_sync_mode(sync):
     shard.register(0, 2, 1, sync, OptimizerConfig("sgd", lr=1.0), [_key()], "d", "none")
     shard.init([("w#0", torch.zeros(8))])
     for w in (0, 1):
-        dup, _ = shard.push(w, 0, [("w#0", torch.full((8,), 2.0))], [])
+        dup, *_ = shard.push(w, 0, [("w#0", torch.full((8,), 2.0))], [])
         assert dup == [False]
-        dup, _ = shard.push(w, 0, [("w#0", torch.full((8,), 2.0))], [])   # the retry: same step
+        dup, *_ = shard.push(w, 0, [("w#0", torch.full((8,), 2.0))], [])   # the retry: same step
         assert dup == [True]
     assert torch.equal(shard.keys["w#0"].value, torch.full((8,), -2.0))   # mean of two 2s (bsp) / 2 x 2/2 (asp)
     assert shard.keys["w#0"].version == 1 and shard.counters["duplicates"] == 2

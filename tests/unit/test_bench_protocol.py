@@ -21,7 +21,7 @@ def _curve(*points):
 # ---- the worker: train on past the target to the common step -------------------------------------------
 def test_the_recorder_trains_on_to_the_common_step_and_logs_each_evaluation(monkeypatch, tmp_path):
     clock = SimpleNamespace(t=0.0)
-    monkeypatch.setattr(base, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    monkeypatch.setattr(base, "time", SimpleNamespace(perf_counter=lambda: clock.t, time=lambda: 1000.0 + clock.t))
     log = tmp_path / "evals{rank}.jsonl"
     cfg = TrainConfig(progress=False, steps=20, eval_every=3, target_accuracy=0.8, common_step=10, eval_log=str(log))
     run = base.RunRecorder(cfg, 1, "test", logging.getLogger("test"))
@@ -34,11 +34,32 @@ def test_the_recorder_trains_on_to_the_common_step_and_logs_each_evaluation(monk
     assert (run.steps_to_target, run.time_to_target_s, run.stopped_at) == (6, 6.0, 10)   # the target: unchanged
     assert run.result(final_test_accuracy=0.95, model_params=1).steps == 10                 # steps run
     rows = [json.loads(line) for line in (tmp_path / "evals1.jsonl").read_text().splitlines()]
-    assert rows[0] == {"started": True, "step": 0}       # first: the cue that start-up is over
+    assert rows[0] == {"started": True, "step": 0, "wall": 1000.0}     # first: the cue that start-up is over
     assert [(r["step"], r["reached"]) for r in rows[1:]] == [(3, False), (6, True), (9, True), (10, True)]
     path = str(log).replace("{rank}", "1")
     assert bp.started(path) and not bp.started(str(tmp_path / "none.jsonl"))
     assert [r["step"] for r in bp.read_eval_logs([path])[0]] == [3, 6, 9, 10]     # evaluations only
+
+
+def test_the_start_skew_is_the_spread_of_the_ranks_first_starts(tmp_path):
+    def log(rank, *rows):
+        path = tmp_path / f"evals{rank}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+    paths = [log(0, {"started": True, "step": 0, "wall": 100.0}, {"step": 16, "time_s": 1.0}),
+             log(1, {"started": True, "step": 0, "wall": 100.25},
+                 {"started": True, "step": 40, "wall": 130.0})]      # a restart: not a start-up skew
+    assert bp.start_skew_s(paths) == 0.25
+    assert bp.start_skew_s(paths + [str(tmp_path / "not-yet.jsonl")]) is None     # a rank that has not started
+    assert bp.start_skew_s([log(2, {"started": True, "step": 0})]) is None           # a log without wall times
+
+
+def test_round_figures_count_rounds_per_key_from_the_shards_counters():
+    from deltaps.tools.bench_figures import round_figures
+    shards = [{"num_keys": 3, "min_version": 12, "late_contributions": 3, "step_contributors": [0, 0, 0, 6, 30]},
+              {"num_keys": 1, "min_version": 13, "late_contributions": 1, "step_contributors": [0, 0, 1, 2, 10, 1]}]
+    assert round_figures(shards) == {"applied": 12, "late_contributions_per_key": 1.0,
+                                     "contributors_share": [0.0, 0.0, 0.02, 0.16, 0.8, 0.02]}
 
 
 def test_the_common_step_needs_evaluations_and_fits_the_run():

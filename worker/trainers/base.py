@@ -235,7 +235,7 @@ class RunRecorder:
             # a restarted job's clock runs on from its first incarnation's start (resume)
             behind = time.time() - self._origin_wall if self._origin_wall is not None else 0.0
             self._t_start = time.perf_counter() - behind
-            self._log_eval({"started": True, "step": first})    # the bench's cue: start-up is over
+            self._log_eval({"started": True, "step": first, "wall": time.time()})    # the bench's cue: start-up is over
             step = first
             while step < self.cfg.steps:
                 self._step, self._blocked, self._wait = step, 0.0, 0.0
