@@ -4,8 +4,9 @@ Per key, as bsp: version v is the number of rounds applied, and round v collects
 open. It closes when every live worker has contributed (at once, as bsp; a worker that joined while it was open is
 not waited for: its first delta, for the round it pulled, folds into the next round as a late one, instead of the
 others idling for the part of a round it missed), or when Q workers have and the
-grace window since the Q-th has passed: G x the median of the key's recent open-to-quorum spans (adaptive: a
-slower cluster waits longer), or G seconds with `grace=Gs`. A delta pushed for an older round (a straggler's,
+grace window since the Q-th has passed: G x the median of the key's recent open-to-quorum spans of rounds a close
+opened (adaptive: a slower cluster waits longer; the job's first round opened at its first contribution, its span
+is start-up skew, so under such a window it waits for every live worker), or G seconds with `grace=Gs`. A delta pushed for an older round (a straggler's,
 or one that missed its round's close) is *late*: it folds into the open round instead of being dropped, and
 counts toward its quorum. A round that cannot reach its quorum (more dead workers than Q allows, not yet evicted
 by --worker-timeout) closes with what it has once it has been open STARVED x the recent open-to-quorum span (at
@@ -56,10 +57,12 @@ class QuorumRounds:
         self.close = close                      # the shard's step completion, called with ks.cond held
         self.opened_at: dict[str, float] = {}   # key -> monotonic time its open round opened
         self.waits_for: dict[str, set[int]] = {}    # key -> the live workers when a close opened its open round
-        self.paces: dict[str, deque] = {}       # key -> recent open-to-quorum times of rounds a close opened
+        # key -> recent open-to-quorum times of rounds a close opened: the job's first round opened at its first
+        # contribution, so its span is start-up skew, not a round (a window or a starvation wait sized from it would
+        # close lm rounds of ~3 s within 1 s, each on one late delta: measured, bench compare's `rounds`)
+        self.spans: dict[str, deque] = {}
         self.pace: dict[str, float] = {}        # key -> their median (pace_s), kept here rather than on every pull
         self.deadline: dict[str, float] = {}    # key -> end of the open round's grace window (quorum reached)
-        self.spans: dict[str, deque] = {}       # key -> recent open-to-quorum times
         self.starve_at: dict[str, float] = {}   # key -> when its open round closes short of its quorum
         self.shares: dict[str, float] = {}      # key -> shares of a full round its open round's contributions cover
 
@@ -84,13 +87,13 @@ class QuorumRounds:
         if self.sync.counted(len(ks.agg_from), self.shares.get(ks.spec.key, 0.0)) < self.sync.quorum_of(len(live)) - 1e-9:
             return time.monotonic() >= self.starve_at.get(ks.spec.key, float("inf"))   # the dead hold no round
         key, now = ks.spec.key, time.monotonic()
+        if key not in self.waits_for and self.sync.grace > 0 and not self.sync.grace_in_s:
+            return False     # the job's first round: no round's pace to size its window by; it waits for every worker
         if key not in self.deadline:
-            spans = self.spans.setdefault(key, deque(maxlen=RECENT_ROUNDS))
-            spans.append(now - self.opened_at.get(key, now))
-            if key in self.waits_for:       # the job's first round opened at its first contribution: its span is
-                paces = self.paces.setdefault(key, deque(maxlen=RECENT_ROUNDS))         # start-up skew
-                paces.append(spans[-1])
-                self.pace[key] = statistics.median(paces)
+            if key in self.waits_for:
+                spans = self.spans.setdefault(key, deque(maxlen=RECENT_ROUNDS))
+                spans.append(now - self.opened_at.get(key, now))
+                self.pace[key] = statistics.median(spans)
             grace = self.grace_s(key)
             self.deadline[key] = now + grace
             if grace > 0:

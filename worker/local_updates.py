@@ -196,6 +196,7 @@ class LocalUpdates:
                 pulled = min(d.client.versions.get(k.key, 0) for ks in d.client.keys_by_shard(self.fragments[f]).values()
                              for k in ks)
                 self.rounds[f] = max(self.rounds[f], pulled)
+                self._follow_the_job()
                 if self.pace is not None:
                     now = time.perf_counter()       # one fragment, no overlap (check_pace): the exchange is now - sent
                     self.pace.observed(now, pulled, max(0.0, now - self._sent_at - waited),
@@ -215,6 +216,19 @@ class LocalUpdates:
             if len(self.fragments) - 1 in done:     # the round that carried the buffers
                 d.load_buffers(d.staging)
         d.note_blocked(blocked, waited)
+
+    def _follow_the_job(self) -> None:
+        """Quorum, whole-model rounds: the job is at round r, i.e. inner step r x H (where a joiner starts). A worker
+        whose rounds covered fewer inner steps (inner=adaptive) or that skipped rounds closed without it is behind
+        that: its clock jumps to the job's, so it ends with the others at --steps instead of training on alone
+        while they wait for it at the end-of-job barrier. The steps it did train are counted apart (trained)."""
+        if len(self.fragments) > 1 or self.tau:
+            return
+        behind = self.rounds[0] * self.H - self.inner
+        if behind > 0:
+            self.inner += behind
+            self.synced_at[0] += behind
+            self.dopt.clock += behind        # the loop follows it (PS strategy end_step: run.skip_to)
 
     def flush(self) -> None:
         """End of training: every fragment with local progress takes a last round (every worker calls

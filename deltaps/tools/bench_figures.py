@@ -50,8 +50,9 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
     out.update(bench_report.eval_fields(results))
     # per worker, by rank: the steps it trained (a straggler's fewer under quorum rounds: the useful steps a goodput
     # figure is made of) and, local-update rounds, its mean inner steps per round (inner=adaptive: fewer when slow)
-    out["steps_per_worker"] = [r["steps"] for r in results]
-    out["compute_s_per_step_per_worker"] = [r["compute_s"] / max(1, r["steps"]) for r in results]
+    trained = [r.get("steps_trained", r["steps"]) for r in results]    # a loop that skipped to the job's step
+    out["steps_per_worker"] = trained
+    out["compute_s_per_step_per_worker"] = [r["compute_s"] / max(1, n) for r, n in zip(results, trained)]
     if any(r.get("inner_steps_per_round") for r in results):
         out["inner_steps_per_round_per_worker"] = [r.get("inner_steps_per_round") for r in results]
     shards = next((r["server_stats"] for r in results if r.get("server_stats")), None)

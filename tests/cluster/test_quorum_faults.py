@@ -80,9 +80,13 @@ def test_a_quorum_job_with_a_straggler_stops_everywhere_at_rank_0s_target(tmp_pa
 
 def test_with_inner_adaptive_a_straggler_takes_the_steps_that_fit_in_the_quorums_round(tmp_path):
     """The same job with inner=adaptive and no target (400 steps, 50 rounds): the worker at a third of the speed takes
-    about 8 / 3 inner steps a round (median over its rounds: its first ones are 8 until its pace is measured, and
-    so are those it trains alone once the others are done), the others 8."""
+    about 8 / 3 inner steps a round (median over its rounds: its first ones are 8 until its pace is measured), the
+    others 8; its clock follows the job's rounds, so it ends at step 400 with the others, having trained far fewer
+    steps, instead of training on alone while they wait for it at the end-of-job barrier."""
     s = _straggler_job(tmp_path, "quorum:2:grace=0.25:inner=adaptive", "--steps", "400")
     ranks = s["per_worker"]
     assert ranks[2]["inner_steps_per_round"] <= 4 and [r["inner_steps_per_round"] for r in ranks[:2]] == [8, 8]
+    assert [r["steps"] for r in ranks] == [400, 400, 400]
+    # (a fast worker whose delta landed late skips the round it waited for: it may train a round or two fewer)
+    assert ranks[2]["steps_trained"] < 250 <= min(r["steps_trained"] for r in ranks[:2]), ranks
     assert ranks[0]["final_test_accuracy"] > 0.9

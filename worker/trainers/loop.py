@@ -45,6 +45,7 @@ def train(cfg, ctx: RunContext) -> dict:
         if cfg.save_model:
             save_model(cfg, ctx.rank, strategy.model_state())
         fields["extras"] = {"device": str(strategy.device), "peak_rss_bytes": peak_rss_bytes(),
+                            "steps_trained": len(run.step_times),     # fewer than `steps` where the loop skipped
                             **workload.result_extras(evaluation),
                             **run.straggler_extras(slow), **fields.get("extras", {})}
         result = run.result(final_test_accuracy=evaluation["test_accuracy"],

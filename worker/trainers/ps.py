@@ -95,6 +95,10 @@ class ParameterServer(Strategy):
     def first_step(self) -> int:
         return self.opt.clock      # a worker (re)joining a running job starts at the job's step
 
+    def end_step(self, run, step: int) -> None:
+        if self.opt.clock > step + 1:    # quorum rounds went on past this worker's own steps (LocalUpdates)
+            run.skip_to(self.opt.clock)
+
     def batches(self):
         cfg, opt = self.cfg, self.opt
         live = (lambda: opt.client.live_workers) if cfg.min_workers or cfg.max_workers else None  # elastic
