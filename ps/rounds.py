@@ -8,9 +8,9 @@ grace window since the Q-th has passed: G x the median of the key's recent open-
 opened (adaptive: a slower cluster waits longer; the job's first round opened at its first contribution, its span
 is start-up skew, so under such a window it waits for every live worker), or G seconds with `grace=Gs`.
 A delta pushed for an older round (a straggler's, or one that missed its round's close) is *late*: it folds into
-the open round instead of being dropped, and counts toward its quorum. A round that cannot reach its quorum (more dead workers than Q allows, not yet evicted
-by --worker-timeout) closes with what it has once it has been open STARVED x the recent open-to-quorum span (at
-least STARVED_MIN_S and twice the grace window).
+the open round instead of being dropped, and counts toward its quorum. A round that cannot reach its quorum (more
+dead workers than Q allows, not yet evicted by --worker-timeout) closes with what it has once it has been open
+STARVED x the recent open-to-quorum span (at least STARVED_MIN_S and twice the grace window).
 Every contribution has the same weight: each covers H inner steps of the same batch
 size, i.e. the same samples; the mean is over contributions (late=discount: a late one's is 1 / (1 + staleness);
 inner=adaptive: a slow worker's delta covering fewer inner steps weighs that share of H, and the quorum counts
