@@ -113,7 +113,8 @@ FAULTS_straggler = $(RACE_clf) --straggler 3:2 --cpus-per-worker $(WORKER_CPUS) 
 	--modes torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=fp16,ps-local32x4o4:int8,$(QUORUM_MODES)
 QUORUM_MODES ?= ps-local32q3:int8:late=discount:inner=adaptive,ps-local32q3:int8:late=discount
 FAULTS_kills = $(RACE_lm) --kill 1@33%:restart=2 --kill 2@67%:restart=2 --cpus-per-worker $(WORKER_CPUS) \
-	--modes $(TORCHFT_FT),$(TORCHFT_FT):min_replicas=3,ddp-elastic:fp16,ps-local32:int8,ps-local32q4:int8:late=discount
+	--modes $(TORCHFT_FT),$(TORCHFT_FT):min_replicas=3,ddp-elastic:fp16,ps-local32:int8,$(KILL_QUORUM_MODES)
+KILL_QUORUM_MODES = ps-local32q4:int8:late=discount,ps-local32q3:int8:late=discount
 TORCHFT_FT = torchft:diloco:sync=32:wire=fp16:timeout=10
 bench-faults: bench-faults-straggler.json bench-faults-kills.json
 bench-faults-%.json: setup FORCE

@@ -4,9 +4,10 @@ Per key, as bsp: version v is the number of rounds applied, and round v collects
 open. It closes when every live worker has contributed (at once, as bsp; a worker that joined while it was open is
 not waited for: its first delta, for the round it pulled, folds into the next round as a late one, instead of the
 others idling for the part of a round it missed), or when Q workers have and the
-grace window since the Q-th has passed: G x the median of the key's recent open-to-quorum spans of rounds a close
-opened (adaptive: a slower cluster waits longer; the job's first round opened at its first contribution, its span
-is start-up skew, so under such a window it waits for every live worker), or G seconds with `grace=Gs`.
+grace window since the Q-th has passed: G x the median of the key's recent open-to-quorum spans (adaptive: a
+slower cluster waits longer; the job's first round opens at the key's Init, so its span is a round plus the
+workers' start-up — never the start-up skew between the first deltas, which sized 1 s windows on lm's 3 s rounds),
+or G seconds with `grace=Gs`.
 A delta pushed for an older round (a straggler's, or one that missed its round's close) is *late*: it folds into
 the open round instead of being dropped, and counts toward its quorum. A round that cannot reach its quorum (more
 dead workers than Q allows, not yet evicted by --worker-timeout) closes with what it has once it has been open
@@ -57,20 +58,30 @@ class QuorumRounds:
         self.close = close                      # the shard's step completion, called with ks.cond held
         self.opened_at: dict[str, float] = {}   # key -> monotonic time its open round opened
         self.waits_for: dict[str, set[int]] = {}    # key -> the live workers when a close opened its open round
-        # key -> recent open-to-quorum times of rounds a close opened: the job's first round opened at its first
-        # contribution, so its span is start-up skew, not a round (a window or a starvation wait sized from it would
-        # close lm rounds of ~3 s within 1 s, each on one late delta: measured, bench compare's `rounds`)
+        # keys whose open round opened at its first contribution (no Init seen: a restored shard): its span is
+        # start-up skew, not a round. A window or a starvation wait sized from it closed lm rounds of ~3 s within
+        # 1 s, each on one late delta (measured: bench compare's `rounds`), so it sizes nothing
+        self.skewed: set[str] = set()
+        # key -> recent open-to-quorum times (the job's first round opens at the key's Init: its span is a round and
+        # the workers' start-up, an over-estimate that errs towards waiting)
         self.spans: dict[str, deque] = {}
+        self.paces: dict[str, deque] = {}       # key -> the same, of rounds a close opened (start-up left out)
         self.pace: dict[str, float] = {}        # key -> their median (pace_s), kept here rather than on every pull
         self.deadline: dict[str, float] = {}    # key -> end of the open round's grace window (quorum reached)
         self.starve_at: dict[str, float] = {}   # key -> when its open round closes short of its quorum
         self.shares: dict[str, float] = {}      # key -> shares of a full round its open round's contributions cover
 
+    def initialized(self, ks: KeyState) -> None:
+        """The key got its value (Init): the job's first round opens now."""
+        self.opened_at[ks.spec.key] = time.monotonic()
+
     def contributed(self, ks: KeyState, share: float = 1.0) -> None:
-        """A contribution covering `share` of a full round arrived (the first of a round opens it, if no close did:
-        the job's first round); the round's first contribution arms the starvation timer."""
+        """A contribution covering `share` of a full round arrived (the first of a round opens it, if neither an Init
+        nor a close did); the round's first contribution arms the starvation timer."""
         key = ks.spec.key
-        self.opened_at.setdefault(key, time.monotonic())
+        if key not in self.opened_at:
+            self.opened_at[key] = time.monotonic()
+            self.skewed.add(key)
         self.shares[key] = self.shares.get(key, 0.0) + share
         if len(ks.agg_from) == 0 and self.spans.get(key):
             wait = max(STARVED * statistics.median(self.spans[key]), STARVED_MIN_S, 2 * self.grace_s(key))
@@ -87,13 +98,16 @@ class QuorumRounds:
         if self.sync.counted(len(ks.agg_from), self.shares.get(ks.spec.key, 0.0)) < self.sync.quorum_of(len(live)) - 1e-9:
             return time.monotonic() >= self.starve_at.get(ks.spec.key, float("inf"))   # the dead hold no round
         key, now = ks.spec.key, time.monotonic()
-        if key not in self.waits_for and self.sync.grace > 0 and not self.sync.grace_in_s:
-            return False     # the job's first round: no round's pace to size its window by; it waits for every worker
+        if key in self.skewed and not self.spans.get(key) and self.sync.grace > 0 and not self.sync.grace_in_s:
+            return False     # no round's span to size its window by: it waits for every live worker
         if key not in self.deadline:
-            if key in self.waits_for:
+            if key not in self.skewed:
                 spans = self.spans.setdefault(key, deque(maxlen=RECENT_ROUNDS))
-                spans.append(now - self.opened_at.get(key, now))
-                self.pace[key] = statistics.median(spans)
+                spans.append(now - self.opened_at[key])
+                if key in self.waits_for:
+                    paces = self.paces.setdefault(key, deque(maxlen=RECENT_ROUNDS))
+                    paces.append(spans[-1])
+                    self.pace[key] = statistics.median(paces)
             grace = self.grace_s(key)
             self.deadline[key] = now + grace
             if grace > 0:
@@ -124,6 +138,7 @@ class QuorumRounds:
         self.starve_at.pop(ks.spec.key, None)
         self.shares.pop(ks.spec.key, None)
         self.opened_at[ks.spec.key] = time.monotonic()
+        self.skewed.discard(ks.spec.key)
         self.waits_for[ks.spec.key] = set(live)
 
     def _wait_over(self, ks: KeyState, version: int, ends: dict[str, float]) -> None:

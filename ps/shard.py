@@ -134,6 +134,8 @@ class Shard(Membership):
                     ks.opt = KeyOptimizer(ks.value, job.optimizer)
                     ks.view = PullView(self.pull_spec, ks.value) if self.pull_spec != "none" else None
                 ks.initialized = True
+                if self.rounds is not None:
+                    self.rounds.initialized(ks)    # the job's first round opens now
                 done += 1
                 ks.cond.notify_all()
         return done
