@@ -185,12 +185,8 @@ class Shard(Membership):
                 raise ShardError("FAILED_PRECONDITION",
                                  f"worker {worker} pushed step {step} for key {key!r} but its next step is {expected}")
             checked.append((ks, g, pulled_versions[i] if pulled_versions else step))
-        dup, versions, landed = [], [], []
-        for ks, g, pulled in checked:
-            d, v, late_in = self._apply(job, ks, worker, step, g, pulled, inner_steps)
-            dup.append(d)
-            versions.append(v)
-            landed.append(late_in)
+        applied = [self._apply(job, ks, worker, step, g, pulled, inner_steps) for ks, g, pulled in checked]
+        dup, versions, landed = (list(col) for col in zip(*applied)) if applied else ([], [], [])
         self.counters["pushes"] += 1
         # the version a PushPull's pull waits for: a worker whose whole push landed late waits to be back in phase
         return dup, versions, realigned_pull(landed) if job.sync.kind == "quorum" else 0

@@ -101,7 +101,7 @@ class FakeClock:
 
 def _recorder(monkeypatch, **cfg):
     clock = FakeClock()
-    monkeypatch.setattr(base, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(base, "time", SimpleNamespace(perf_counter=clock, time=clock))
     c = TrainConfig(progress=False, batch_size=8, **cfg)
     return base.RunRecorder(c, 0, "test", logging.getLogger("test")), clock
 
