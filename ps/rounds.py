@@ -98,7 +98,7 @@ class QuorumRounds:
         if self.sync.counted(len(ks.agg_from), self.shares.get(ks.spec.key, 0.0)) < self.sync.quorum_of(len(live)) - 1e-9:
             return time.monotonic() >= self.starve_at.get(ks.spec.key, float("inf"))   # the dead hold no round
         key, now = ks.spec.key, time.monotonic()
-        if key in self.skewed and not self.spans.get(key) and self.sync.grace > 0 and not self.sync.grace_in_s:
+        if key in self.skewed and self.sync.grace > 0 and not self.sync.grace_in_s:
             return False     # no round's span to size its window by: it waits for every live worker
         if key not in self.deadline:
             if key not in self.skewed:

@@ -35,12 +35,13 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
         "final_codec": s["final_codec"], "codec_fallbacks": s["codec_fallbacks"],
         "model_params": s["model_params"],
     }
+    # the shards' Stats, read by rank 0 at the end of a PS job ([] for other modes)
+    shards = next((r["server_stats"] for r in results if r.get("server_stats")), None) or []
     if cfg.workload == "ctr":   # click-through workload: AUC / log-loss on the held-out set, loss curve
         r0 = results[0]
         out.update({k: r0[k] for k in ("final_test_auc", "final_test_loss", "oracle_auc", "oracle_loss")})
         out["losses_rank0"] = r0["losses"]
         # memory: the table on the shards (hybrid) and the largest worker process (every mode)
-        shards = next((r["server_stats"] for r in results if r.get("server_stats")), None) or []
         out["shard_table_bytes"] = sum(s.get("bytes", 0) for s in shards)
         out["shard_rows_held"] = sum(t.get("rows_held", 0) for s in shards for t in s.get("tables", {}).values())
         out["worker_peak_rss_bytes"] = max(r.get("peak_rss_bytes", 0) for r in results)
@@ -55,8 +56,7 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
     out["compute_s_per_step_per_worker"] = [r["compute_s"] / max(1, n) for r, n in zip(results, trained)]
     if any(r.get("inner_steps_per_round") for r in results):
         out["inner_steps_per_round_per_worker"] = [r.get("inner_steps_per_round") for r in results]
-    shards = next((r["server_stats"] for r in results if r.get("server_stats")), None)
-    if shards and cfg.local_steps:     # local-update rounds, from the shards' counters (rank 0 reads them at the end)
+    if shards and cfg.local_steps:     # local-update rounds, from the shards' counters
         out["rounds"] = round_figures(shards)
     slow = [r for r in results if r.get("straggler_factor")]
     if slow:     # --straggler: the slow-down asked for and the one measured (compute + sleep) / compute
