@@ -2,6 +2,8 @@
     g' = g + residual;  p = C(g');  residual = g' - D(p)
 Residuals are kept in float32 (float64 for float64 gradients) on the gradient's device.
 Codecs with their own accumulation (DGC: internal_error_feedback) are called straight through.
+With `measure` on, each compress records (|g'|^2, |residual|^2) per key in `energy`: how much of what was due the
+payload carried (Compressor's payload energy share; two reductions per call, so only where pushes are rare).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ class ErrorFeedback:
     def __init__(self, codec: Codec):
         self.codec = codec
         self._residual: dict[str, torch.Tensor] = {}
+        self.measure = False
+        self.energy: dict[str, tuple[float, float]] = {}     # key -> (|g'|^2, |residual left|^2) of its last push
 
     def fold(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """g + residual(key) as a flat accumulator tensor (the residual is consumed)."""
@@ -34,11 +38,21 @@ class ErrorFeedback:
                 tensor = self.fold(key, tensor).view(tensor.shape).to(tensor.dtype)
             return self.codec.compress(tensor, seed=seed, key=key)
         g = self.fold(key, tensor)
+        due = float(g.square().sum()) if self.measure else 0.0
         src = g.view(tensor.shape)
         payload = self.codec.compress(src if src.dtype == tensor.dtype else src.to(tensor.dtype), seed=seed, key=key)
         self.codec.accumulate(payload, g, alpha=-1.0)     # residual = g' - D(p), in place, decoded on g's device
         self._residual[key] = g
+        if self.measure:
+            self.energy[key] = (due, float(g.square().sum()))
         return payload
+
+    def take_back(self, key: str, payload: Payload) -> torch.Tensor:
+        """g' of the push that made `payload` (its residual + what the payload decodes to), flat, for the
+        caller to send whole instead: the key's residual is consumed."""
+        g = self._residual.pop(key)
+        self.codec.accumulate(payload, g, alpha=1.0)
+        return g
 
     def residual(self, key: str) -> torch.Tensor | None:
         r = self._residual.get(key)

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 
 import torch
 
+from compression.policy import energy_share
 from deltaps.optimizer_config import overlap_steps as check_overlap_steps
 
 
@@ -123,6 +124,10 @@ class LocalUpdates:
         self.inflight: dict[int, tuple[list[Future], dict[str, torch.Tensor]]] = {}   # fragment -> (futures, p at send)
         self.outer_rounds = 0                   # fragment rounds completed (metrics)
         self.last_delta_norm = 0.0              # L2 norm of the last pushed delta (metrics)
+        # share of the last rounds' delta + residual (squared L2) their payloads carried (metrics), from the
+        # compressor's running sums at the previous finish
+        self.last_payload_share: float | None = None
+        self._energy_seen = (0.0, 0.0)
         # quorum inner=adaptive: this round's inner steps (RoundPace), the compute seconds spent on them so far
         check_pace(dopt.client.sync.inner, F, self.tau)
         self.pace = RoundPace(local_steps) if dopt.client.sync.inner == "adaptive" else None
@@ -215,7 +220,15 @@ class LocalUpdates:
                 self.outer_rounds += 1
             if len(self.fragments) - 1 in done:     # the round that carried the buffers
                 d.load_buffers(d.staging)
+        self._note_payload_share()
         d.note_blocked(blocked, waited)
+
+    def _note_payload_share(self) -> None:
+        stats = self.dopt.client.compressor.stats()
+        due, left = stats["energy_due"], stats["energy_left"]
+        share = energy_share(due - self._energy_seen[0], left - self._energy_seen[1])
+        if share is not None:
+            self.last_payload_share, self._energy_seen = share, (due, left)
 
     def _follow_the_job(self) -> None:
         """Quorum, whole-model rounds: the job is at round r, i.e. inner step r x H (where a joiner starts). A worker

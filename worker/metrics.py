@@ -176,6 +176,10 @@ class WorkerMetrics:
                                     ["worker"], registry=r).labels(*w)
         self.delta_norm = Gauge("deltaps_worker_delta_norm", "L2 norm of the last parameter delta pushed",
                                 ["worker"], registry=r).labels(*w)
+        self.payload_share = Gauge("deltaps_worker_payload_energy_share",
+                                   "Share of the last round's delta + error-feedback residual (squared L2 norm) that "
+                                   "its payloads carried; the rest waits in the error feedback (1 = lossless)",
+                                   ["worker"], registry=r).labels(*w)
         self._rounds_seen = 0
         self.fallbacks.labels(self.worker, "nonfinite_loss")
         self.fallbacks.labels(self.worker, "loss_rise")
@@ -217,6 +221,8 @@ class WorkerMetrics:
             self.outer_rounds.inc(local.outer_rounds - self._rounds_seen)
             self._rounds_seen = local.outer_rounds
             self.delta_norm.set(local.last_delta_norm)
+            if local.last_payload_share is not None:
+                self.payload_share.set(local.last_payload_share)
         if loss == loss and abs(loss) != float("inf"):
             self.loss.set(loss)
         self.last_step.set(time.time())

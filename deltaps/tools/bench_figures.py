@@ -56,6 +56,8 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
     out["compute_s_per_step_per_worker"] = [r["compute_s"] / max(1, n) for r, n in zip(results, trained)]
     if any(r.get("inner_steps_per_round") for r in results):
         out["inner_steps_per_round_per_worker"] = [r.get("inner_steps_per_round") for r in results]
+    if s["payload_energy_share"] is not None:     # local-update rounds: how much of a delta a payload carries
+        out["payload_energy_share"] = s["payload_energy_share"]
     if shards and cfg.local_steps:     # local-update rounds, from the shards' counters
         out["rounds"] = round_figures(shards)
     slow = [r for r in results if r.get("straggler_factor")]

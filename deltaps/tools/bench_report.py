@@ -26,7 +26,6 @@ def fmt_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
-    return str(n)
 
 
 def is_peer(spec: str) -> bool:
@@ -47,8 +46,7 @@ def metric_of(report_or_result: dict) -> str:
 
 
 def lower_is_better(report: dict) -> bool:
-    name = report.get("workload")
-    return bool(name) and not workload_class(name).higher_is_better
+    return bool(report.get("workload")) and not workload_class(report["workload"]).higher_is_better
 
 
 def metric_label(report: dict) -> str:
@@ -199,6 +197,13 @@ def common_step_cell(report: dict, m: dict) -> str:
     return text + (" !" if m.get("common_step_flag") else "")
 
 
+def round_cell(fraction: float | None, m: dict) -> str:
+    """round/model, and the share of the deltas the pushes carried where they left part of them behind."""
+    share = m.get("payload_energy_share")
+    carried = f" ({share * 100:.0f} % carried)" if share is not None and share < 0.995 else ""
+    return "—" if fraction is None else f"{fraction:.3f}{carried}"
+
+
 def format_table_mlp(report: dict) -> str:
     """The MLP workloads' table (digits, clf, lm); with a target, the time-to-accuracy columns lead; with
     evaluations, the metric at the race's common step (bench_protocol) and its difference from ddp's."""
@@ -215,8 +220,7 @@ def format_table_mlp(report: dict) -> str:
         rows.append([spec] + (time_cells(m) if timed else []) + step_cells(m) + [
             f"{m['final_test_accuracy'] * 100:.2f} %",
             "—" if da is None else f"{da * 100:+.2f} pp" + (" !" if m.get("accuracy_flag") else ""),
-            _x(m.get("speedup_vs_allreduce"))] + [common_step_cell(report, m), "—" if frac is None else f"{frac:.3f}"]
-            * common)
+            _x(m.get("speedup_vs_allreduce"))] + [common_step_cell(report, m), round_cell(frac, m)] * common)
     notes = []
     if timed:
         notes.append(time_note(report))
@@ -224,7 +228,8 @@ def format_table_mlp(report: dict) -> str:
         steps = sorted({m["common_step"] for m in report["modes"].values() if "common_step" in m})
         notes.append(f"@ common step = {metric_label(report)} at step {'/'.join(map(str, steps))} (the first evaluation "
                      f"from there on; vs ddp's; ! = beyond {ACCURACY_FLAG * 100:.1f} points, or 1 % of a loss); "
-                     f"round/model = bytes one worker pushes + pulls per outer round / the fp32 model's bytes")
+                     f"round/model = bytes one worker pushes + pulls per outer round / the fp32 model's bytes "
+                     f"(carried: the share of the rounds' deltas + residuals, squared L2, the pushes carried)")
     if any(m.get("accuracy_flag") for m in report["modes"].values()):
         notes.append(f"! = final accuracy differs from fp32 DDP's by more than {ACCURACY_FLAG * 100:.1f} points")
     return "\n".join([table(cols, rows)] + notes)

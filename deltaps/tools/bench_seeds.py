@@ -15,7 +15,8 @@ PER_SEED = ("seed", "time_to_target_s", "steps_to_target", "median_step_s", "fin
 PER_SEED_WHERE_RUN = ("final_test_auc", "shard_rows_held", "worker_peak_rss_bytes",     # ctr runs have these
                       "steps_per_worker", "inner_steps_per_round_per_worker",              # and every / local-update run
                       "cpu_s_per_worker", "throttled_s_per_worker",                        # --cpus-per-worker
-                      "cpu_cores_in_training", "start_skew_s", "rounds")                   # every finished run
+                      "cpu_cores_in_training", "start_skew_s", "rounds",                   # every finished run
+                      "payload_energy_share")                                              # local-update runs
 EVERY_SEED_OR_NULL = ("metric_at_common_step", "common_step_evaluated_at", "bytes_per_round_fraction")
 
 

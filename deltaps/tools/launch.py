@@ -205,6 +205,7 @@ def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> di
         "samples_per_s": total("samples_per_s"),
         "bytes_pushed_wire": wire, "bytes_pushed_raw": raw, "bytes_pulled_wire": total("bytes_pulled_wire"),
         "compression_ratio": raw / wire if wire else 1.0,
+        "payload_energy_share": _mean_or_none([r.get("payload_energy_share") for r in results]),
         "bytes_pushed_wire_per_step": wire / max(1, steps),
         "final_codec": r0["final_codec"], "codec_switches": r0["codec_switches"],
         "codec_fallbacks": sum(len(r["codec_fallbacks"]) for r in results),
@@ -214,6 +215,10 @@ def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> di
         "bytes_pushed_wire_steps_rank0": r0["bytes_pushed_wire_steps"],
         "loss_curve_rank0": r0["losses"][:: max(1, len(r0["losses"]) // 100)],
     }
+
+
+def _mean_or_none(values: list) -> float | None:
+    return None if not values or None in values else sum(values) / len(values)
 
 
 def print_summary(s: dict) -> None:
@@ -227,3 +232,6 @@ def print_summary(s: dict) -> None:
           f"wait {s['wait_s'] / tot:.0%}")
     print(f"   bytes pushed        : {s['bytes_pushed_wire'] / mb:.2f} MiB wire / {s['bytes_pushed_raw'] / mb:.2f} MiB raw "
           f"(x{s['compression_ratio']:.1f}); pulled {s['bytes_pulled_wire'] / mb:.2f} MiB")
+    if s.get("payload_energy_share") is not None:      # local-update rounds
+        print(f"   round payloads      : carried {s['payload_energy_share']:.1%} of the deltas + residuals "
+              f"(squared L2 norm; the rest waits in the error feedback, or is dropped without it)")

@@ -317,3 +317,18 @@ def test_launch_metrics_urls():
     assert len(s["metrics_urls"]) == 4 and all(u.startswith("http://127.0.0.1:") and u.endswith("/metrics")
                                                for u in s["metrics_urls"])
     assert launch(small_config(steps=3, workers=1, servers=1), quiet=True)["metrics_urls"] == []
+
+
+@pytest.mark.parametrize("codec, carried", [("chunktopk:density=0.05,chunk=64", (0.02, 0.9)), ("int8", (0.999, 1.0))])
+def test_local_update_rounds_report_the_share_of_their_deltas_the_payloads_carried(codec, carried):
+    """A sparse round payload leaves most of a delta in the residual; int8 carries nearly all of it."""
+    c = MetricsCluster(small_config(codec=codec, sync="bsp", local_steps=4, steps=16, hidden=64))
+    try:
+        c.start_training()
+        results = c.join()
+    finally:
+        c.stop()
+    lo, hi = carried
+    for r, (m, res) in enumerate(zip(c.worker_metrics, results)):
+        assert lo < _v(m, "deltaps_worker_payload_energy_share", worker=str(r)) <= hi
+        assert lo < res["payload_energy_share"] <= hi

@@ -104,3 +104,50 @@ def test_error_feedback_override():
     c = Compressor("int8", min_bytes=0, error_feedback=True)
     c.compress("w", torch.randn(5000))
     assert c.residual("w") is not None
+
+
+def _sq(t):
+    return float(t.double().square().sum())
+
+
+def test_payload_energy_share_is_what_the_payload_carried_of_what_was_due():
+    c = Compressor("chunktopk", min_bytes=0, measure_energy=True)
+    g1, g2 = grads(2, shape=(64, 256))
+    c.compress("w", g1)
+    r1 = c.residual("w").clone()
+    s = c.stats()
+    assert s["energy_due"] == pytest.approx(_sq(g1), rel=1e-5) and s["energy_left"] == pytest.approx(_sq(r1), rel=1e-5)
+    c.compress("w", g2)     # due: the new tensor plus the residual it carries
+    s = c.stats()
+    assert s["energy_due"] == pytest.approx(_sq(g1) + _sq(g2.reshape(-1) + r1), rel=1e-5)
+    assert s["energy_left"] == pytest.approx(_sq(r1) + _sq(c.residual("w")), rel=1e-5)
+    assert 0.01 < s["payload_energy_share"] < 0.5     # 1/64 of a Gaussian's entries, the largest ones
+    assert Compressor("chunktopk", min_bytes=0).stats()["payload_energy_share"] is None     # not measured
+
+
+def test_payload_energy_share_of_lossless_lossy_and_dropping_pushes():
+    x = torch.randn(5000)
+    raw = Compressor("none", min_bytes=0, measure_energy=True)
+    raw.compress("w", x)
+    assert raw.stats()["payload_energy_share"] == 1.0
+    ef = Compressor("int8", min_bytes=0, error_feedback=True, measure_energy=True)
+    ef.compress("w", x)
+    assert 0.999 < ef.stats()["payload_energy_share"] < 1.0
+    dropped = Compressor("int8", min_bytes=0, measure_energy=True)     # no error feedback: the error is gone
+    p = dropped.compress("w", x)
+    s = dropped.stats()
+    assert s["energy_left"] == pytest.approx(_sq(x - decode_payload(p)), rel=1e-5) and s["energy_left"] > 0
+
+
+def test_a_payload_larger_than_raw_sends_what_was_due_and_keeps_no_residual():
+    """A codec without a size estimate whose payload came out larger than raw: the raw tensor sent must carry the
+    residual too, and leave none behind — the sum of what was sent plus the residual stays the sum pushed."""
+    c = Compressor("topk:ratio=0.95", min_bytes=0, measure_energy=True)
+    c.codec.wire_nbytes = lambda numel, dtype: None        # as a plugin codec with no estimate
+    gs = grads(2, shape=(1000,))
+    sent = sum(decode_payload(c.compress("w", g)).double() for g in gs)
+    r = c.residual("w")
+    total = sent + (r.double() if r is not None else 0)
+    assert c.stats()["by_codec"] == {"none": 2}
+    assert torch.allclose(total, sum(g.double() for g in gs), atol=1e-5)
+    assert c.stats()["payload_energy_share"] == 1.0

@@ -291,3 +291,10 @@ def test_skip_to_moves_the_loop_to_the_jobs_step_never_back_and_never_past_the_e
         if step == 14:
             run.skip_to(99)          # past the end: the loop ends
     assert seen == [0, 1, 2, 12, 13, 14]
+
+
+def test_round_cell_says_how_much_of_the_deltas_a_lossy_round_payload_carried():
+    assert br.round_cell(None, {"payload_energy_share": 0.08}) == "—"
+    assert br.round_cell(0.0144, {"payload_energy_share": 0.081}) == "0.014 (8 % carried)"
+    assert br.round_cell(0.5, {"payload_energy_share": 0.99999}) == "0.500"       # int8: all but rounding
+    assert br.round_cell(2.0, {}) == "2.000"                                       # fp32 rounds measure nothing

@@ -66,7 +66,9 @@ def table_optimizer(cfg: TrainConfig, params, sparse: bool = False) -> torch.opt
 
 def make_compressor(cfg: TrainConfig):
     from compression import Compressor
-    return Compressor(cfg.codec, min_bytes=cfg.min_compress_bytes, warmup_steps=cfg.compress_warmup_steps)
+    # a local-update job pushes once per round: cheap to measure how much of each delta its payload carries
+    return Compressor(cfg.codec, min_bytes=cfg.min_compress_bytes, warmup_steps=cfg.compress_warmup_steps,
+                      measure_energy=cfg.local_steps > 0)
 
 
 def distributed_optimizer(cfg: TrainConfig, model, servers: list[str], rank: int, world_size: int, security=None):

@@ -187,7 +187,8 @@ class ParameterServer(Strategy):
         moved = sum(now.get(k, 0) - before.get(k, 0) for k in ("bytes_pushed_wire", "bytes_pulled_wire"))
         sizes = opt.local.round_sizes      # inner steps per round pushed (inner=adaptive: fewer on a slow worker)
         return {"steady_bytes_moved": int(moved), "steady_rounds": opt.local.outer_rounds / len(opt.local.fragments),
-                "inner_steps_per_round": statistics.median(sizes) if sizes else None}
+                "inner_steps_per_round": statistics.median(sizes) if sizes else None,
+                "payload_energy_share": opt.client.compressor.stats()["payload_energy_share"]}
 
     def report(self, result) -> None:
         if self.rank == 0:
