@@ -79,7 +79,8 @@ class Compressor:
             if self._use_ef and not getattr(codec, "internal_error_feedback", False):
                 tensor = self._ef.take_back(key, payload).view(tensor.shape).to(tensor.dtype)
             payload = self._none.compress(tensor)
-            energy = energy and (energy[0], 0.0)
+            if energy is not None:
+                energy = (energy[0], 0.0)      # sent whole
         self._count(raw, payload, energy)
         return payload
 
