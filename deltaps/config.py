@@ -85,6 +85,11 @@ class TrainConfig:
         DEFAULT_OUTER[0],
         "local-update jobs: the shards' outer optimizer on the mean delta: avg (the new model is the mean of "
         "the local models), sgd (--outer-lr, heavy-ball --outer-momentum) or nesterov (DiLoCo's)")
+    pull_residual: str = option(
+        "carry",
+        "local-update jobs with a lossy pull codec: carry (what a pull did not carry stays in the shards' model and "
+        "goes down later: error feedback on the down-link) or drop (each outer step starts from the model the "
+        "workers hold; the outer momentum carries the dropped part's direction)")
     torchft_algorithm: str = option(
         "diloco",
         "--mode torchft: torchft's DiLoCo (the outer optimizer on the averaged pseudo-gradient; Streaming DiLoCo with "
@@ -274,7 +279,10 @@ class TrainConfig:
             if not self.local_steps:
                 raise ValueError("--overlap-steps needs --local-steps > 0")
             overlap_steps(self.local_steps, self.stream_fragments, self.overlap_steps)
-        outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum)
+        outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum, self.pull_residual)
+        if self.pull_residual != "carry" and not (self.local_steps and self.mode == "ps"):
+            raise ValueError(f"--pull-residual {self.pull_residual} needs --mode ps --local-steps > 0: it says where "
+                             f"an outer step starts (there is no outer step without local updates on the shards)")
 
     @property
     def heartbeat(self) -> float:

@@ -8,6 +8,10 @@ if TYPE_CHECKING:      # torch is imported where it is used: `deltaps ctl` (the 
     import torch
 
 SUPPORTED = ("sgd", "adam")
+# local-update jobs with a lossy pull codec: what becomes of the part of an outer step the shared pull view did not
+# carry (docs/local-updates.md#the-way-down-carry-or-drop): carry = it stays in the shard's model and goes down with
+# later pulls; drop = the next outer step starts from the view, and the outer momentum carries its direction
+PULL_RESIDUALS = ("carry", "drop")
 
 
 @dataclass
@@ -21,12 +25,15 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    pull_residual: str = "carry"
 
     def validate(self) -> None:
         if self.name not in SUPPORTED:
             raise ValueError(f"unknown optimizer {self.name!r}; supported: {', '.join(SUPPORTED)}")
         if not self.lr > 0:
             raise ValueError(f"learning rate must be > 0, got {self.lr}")
+        if self.pull_residual not in PULL_RESIDUALS:
+            raise ValueError(f"pull residual must be one of {', '.join(PULL_RESIDUALS)}, got {self.pull_residual!r}")
 
     @classmethod
     def from_torch(cls, opt: torch.optim.Optimizer) -> "OptimizerConfig":
@@ -48,7 +55,9 @@ class OptimizerConfig:
 
     @classmethod
     def from_proto(cls, msg) -> "OptimizerConfig":
-        return cls(**{k: getattr(msg, k) for k in asdict(cls()).keys()})
+        fields = {k: getattr(msg, k) for k in asdict(cls()).keys()}
+        fields["pull_residual"] = fields["pull_residual"] or "carry"     # a client that does not set it
+        return cls(**fields)
 
 
 OUTER_OPTIMIZERS = ("avg", "sgd", "nesterov")
@@ -58,19 +67,25 @@ OUTER_OPTIMIZERS = ("avg", "sgd", "nesterov")
 DEFAULT_OUTER = ("nesterov", 0.9, 0.8)
 
 
-def outer_optimizer_config(name: str, lr: float = 1.0, momentum: float = 0.0) -> OptimizerConfig:
+def outer_optimizer_config(name: str, lr: float = 1.0, momentum: float = 0.0,
+                           pull_residual: str = "carry") -> OptimizerConfig:
     """The shards' optimizer of a local-update job, applied to the workers' mean parameter delta
     (anchor - local model): avg = SGD lr 1 (the new model is the mean of the local models), sgd = SGD with
-    lr and heavy-ball momentum, nesterov = SGD with lr and Nesterov momentum (DiLoCo's outer optimizer)."""
+    lr and heavy-ball momentum, nesterov = SGD with lr and Nesterov momentum (DiLoCo's outer optimizer);
+    pull_residual: PULL_RESIDUALS."""
     if name == "avg":
-        return OptimizerConfig("sgd", lr=1.0)
-    if name == "sgd":
-        return OptimizerConfig("sgd", lr=lr, momentum=momentum)
-    if name == "nesterov":
+        cfg = OptimizerConfig("sgd", lr=1.0)
+    elif name == "sgd":
+        cfg = OptimizerConfig("sgd", lr=lr, momentum=momentum)
+    elif name == "nesterov":
         if not momentum > 0:
             raise ValueError(f"outer optimizer nesterov needs --outer-momentum > 0, got {momentum}")
-        return OptimizerConfig("sgd", lr=lr, momentum=momentum, nesterov=True)
-    raise ValueError(f"unknown outer optimizer {name!r}; supported: {', '.join(OUTER_OPTIMIZERS)}")
+        cfg = OptimizerConfig("sgd", lr=lr, momentum=momentum, nesterov=True)
+    else:
+        raise ValueError(f"unknown outer optimizer {name!r}; supported: {', '.join(OUTER_OPTIMIZERS)}")
+    cfg.pull_residual = pull_residual
+    cfg.validate()
+    return cfg
 
 
 def overlap_steps(local_steps: int, fragments: int, tau: int | None) -> int:

@@ -34,7 +34,8 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
                                         sharding its planner must use (--torchrec-sharding; default its choice)
 <outer> (local-update specs, any order among the parameters): outer=avg|sgd|nesterov, outer_lr=x,
 outer_momentum=m — this mode's outer optimizer (--outer-optimizer / --outer-lr / --outer-momentum), else the
-job's: ps-local32:int8:outer=avg, torchft:diloco:sync=32:outer_lr=0.7:outer_momentum=0.9.
+job's: ps-local32:int8:outer=avg, torchft:diloco:sync=32:outer_lr=0.7:outer_momentum=0.9; ps-local specs also
+pull_residual=carry|drop (--pull-residual: where an outer step starts under a lossy pull codec).
 `ModeSpec.overrides()` gives the TrainConfig fields a spec sets; `str(ModeSpec)` its canonical spelling
 (fp32 DDP is `allreduce`, as the cost model and `deltaps advise` name it). In a comma-separated list
 (`split_mode_specs`) an item with `=` and no `:` continues the previous spec (ps:topk:ratio=0.01,chunk=4096).
@@ -54,6 +55,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from deltaps.optimizer_config import PULL_RESIDUALS
 from deltaps.sync import parse_sync
 
 __all__ = ["MODES", "FAMILIES", "MODE_FORMS", "HOOK_FORMS", "ModeSpec", "parse_mode_spec", "split_mode_specs",
@@ -69,8 +71,9 @@ MODE_FORMS = ("ddp[:<hook>|:sparse[:fp16|bf16]] (or allreduce), ddp-elastic[:fp1
               "or torchft:localsgd:sync=H, torchrec[:fp16|bf16][:sharding=S]")
 TORCHFT_KEYS = {"sync": "local_steps", "fragments": "stream_fragments", "delay": "overlap_steps",
                 "min_replicas": "min_replicas"}
-OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"}
-OUTER_ITEM = re.compile(r"(?:^|[:,])(outer(?:_lr|_momentum)?)=([^:,]*)")
+OUTER_KEYS = {"outer": "outer_optimizer", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum",
+              "pull_residual": "pull_residual"}
+OUTER_ITEM = re.compile(r"(?:^|[:,])(outer(?:_lr|_momentum)?|pull_residual)=([^:,]*)")
 TORCHREC_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")   # torchrec:sharding= (CPU: no row-wise)
 WIRE_DTYPES = ("fp32", "fp16", "bf16")     # torchft:diloco's wire=: the dtype its pseudo-gradients are allreduced in
 LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?(?:q(\d+))?")
@@ -96,6 +99,7 @@ class ModeSpec:
     outer_optimizer: str | None = None   # local updates: this mode's outer optimizer (None: the job's)
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    pull_residual: str | None = None     # ps-local pull_residual= (None: the job's --pull-residual)
     fragment_alpha: float | None = None  # torchft:diloco alpha= (fragment_update_alpha; None: torchft's 0)
     wire_dtype: str | None = None        # torchft:diloco wire= (None: fp32)
     min_replicas: int | None = None      # torchft min_replicas= (None: every worker)
@@ -208,11 +212,13 @@ def _outer_fields(arg: str, text: str) -> tuple[str, dict]:
     fields = {}
     for key, value in OUTER_ITEM.findall(arg):
         try:
-            fields[OUTER_KEYS[key]] = value if key == "outer" else float(value)
+            fields[OUTER_KEYS[key]] = value if key in ("outer", "pull_residual") else float(value)
         except ValueError:
             raise ValueError(f"mode {text!r}: {key} must be a number, got {value!r}") from None
         if key == "outer" and value not in ("avg", "sgd", "nesterov"):
             raise ValueError(f"mode {text!r}: outer must be avg, sgd or nesterov, got {value!r}")
+        if key == "pull_residual" and value not in PULL_RESIDUALS:
+            raise ValueError(f"mode {text!r}: pull_residual must be {' or '.join(PULL_RESIDUALS)}, got {value!r}")
     return OUTER_ITEM.sub("", arg).lstrip(":,"), fields
 
 
@@ -256,6 +262,8 @@ def _torchft_spec(arg: str, text: str) -> ModeSpec:
     if algorithm not in ("diloco", "localsgd"):
         raise ValueError(f"mode {text!r}: torchft runs diloco or localsgd, e.g. torchft:diloco:sync=32")
     rest, fields = _outer_fields(rest, text)
+    if "pull_residual" in fields:
+        raise ValueError(f"mode {text!r}: torchft allreduces exact pseudo-gradients: no pull view, no pull_residual")
     if fields and algorithm == "localsgd":
         raise ValueError(f"mode {text!r}: torchft:localsgd averages the models: it has no outer optimizer")
     allowed = "sync=H, min_replicas=N (integers), timeout=S" if algorithm == "localsgd" else (

@@ -269,6 +269,8 @@ class Shard(Membership):
         if ks.spec.is_buffer:
             buffers.finish(ks)
         else:
+            if ks.view is not None and self.job.optimizer.pull_residual == "drop":   # start from what workers hold
+                ks.value.copy_(ks.view.view)
             ks.opt.apply_step(ks.agg / ks.agg_weight)   # the weighted mean over contributions
             self._count_update()
         ks.agg.zero_()

@@ -94,3 +94,44 @@ def test_pull_codec_refuses_exactly_the_stateful_codecs():
                 resolve_pull_codec(name, "none")
         else:
             assert resolve_pull_codec(name, "none") == name
+
+
+def _pushed_mean(n, seed):
+    """The mean of what _step(seed) pushes from n clients."""
+    g = torch.Generator().manual_seed(seed)
+    pushes = [{"w": torch.randn(5000, generator=g), "b": torch.randn(300, generator=g)} for _ in range(n)]
+    return {k: sum(p[k] for p in pushes) / n for k in ("w", "b")}
+
+
+@pytest.mark.parametrize("residual", ["carry", "drop"])
+def test_an_outer_step_starts_from_the_shards_model_under_carry_and_from_the_pull_view_under_drop(cluster_factory,
+                                                                                                 residual):
+    """A local-update job (outer avg: model -= mean delta) pulling through a sparse codec: the view lags the shard's
+    model by what the pulls did not carry. carry keeps that in the model; drop starts the next step from the view."""
+    from deltaps.optimizer_config import outer_optimizer_config
+    c = cluster_factory(1)
+    cls, views = _clients(c, 2, pull_codec="chunktopk:density=0.05,chunk=256", local_steps=1,
+                          opt=outer_optimizer_config("avg", pull_residual=residual))
+    _step(cls, views, 0, 1)
+    model1, view1 = cls[0].pull(), {n: v.clone() for n, v in views[0].items()}
+    assert (model1["w"] - view1["w"]).abs().max() > 0.1          # the sparse pull left most of the step behind
+    _step(cls, views, 1, 2)
+    start = view1 if residual == "drop" else model1
+    mean = _pushed_mean(2, 2)
+    model2 = cls[0].pull()
+    for n in ("w", "b"):
+        assert torch.allclose(model2[n], start[n] - mean[n], atol=1e-5), n
+    for cl in cls:
+        cl.close()
+
+
+def test_pull_residual_is_checked_where_it_is_set():
+    from deltaps.config import load_config
+    from deltaps.optimizer_config import OptimizerConfig, outer_optimizer_config
+    with pytest.raises(ValueError, match="pull residual must be one of carry, drop"):
+        outer_optimizer_config("nesterov", 0.9, 0.8, pull_residual="keep")
+    with pytest.raises(ValueError, match="--pull-residual drop needs --mode ps --local-steps"):
+        load_config(None, {"pull_residual": "drop"})
+    assert load_config(None, {"pull_residual": "drop", "local_steps": 8}).pull_residual == "drop"
+    from protos import pb
+    assert OptimizerConfig.from_proto(pb.OptimizerConfig(name="sgd", lr=1.0)).pull_residual == "carry"   # unset

@@ -75,7 +75,8 @@ def distributed_optimizer(cfg: TrainConfig, model, servers: list[str], rank: int
     """A DistributedOptimizer over the whole model, configured from cfg (ps mode, ctr ps mode)."""
     from deltaps.optimizer_config import outer_optimizer_config
     from worker.optimizer import DistributedOptimizer
-    outer = outer_optimizer_config(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum) if cfg.local_steps else None
+    outer = (outer_optimizer_config(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum, cfg.pull_residual)
+             if cfg.local_steps else None)
     return DistributedOptimizer(local_optimizer(cfg, model.parameters()), model, servers=servers, rank=rank,
                                 world_size=world_size, codec=cfg.codec, pull_codec=cfg.pull_codec,
                                 compressor=make_compressor(cfg), bucket_bytes=cfg.bucket_bytes,
