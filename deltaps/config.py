@@ -86,10 +86,11 @@ class TrainConfig:
         "local-update jobs: the shards' outer optimizer on the mean delta: avg (the new model is the mean of "
         "the local models), sgd (--outer-lr, heavy-ball --outer-momentum) or nesterov (DiLoCo's)")
     pull_residual: str = option(
-        "carry",
+        "auto",
         "local-update jobs with a lossy pull codec: carry (what a pull did not carry stays in the shards' model and "
-        "goes down later: error feedback on the down-link) or drop (each outer step starts from the model the "
-        "workers hold; the outer momentum carries the dropped part's direction)")
+        "goes down later: error feedback on the down-link), drop (each outer step starts from the model the "
+        "workers hold; the outer momentum carries the dropped part's direction) or auto (drop under a round codec's "
+        "pull, chunktopk; else carry)")
     torchft_algorithm: str = option(
         "diloco",
         "--mode torchft: torchft's DiLoCo (the outer optimizer on the averaged pseudo-gradient; Streaming DiLoCo with "
@@ -280,7 +281,7 @@ class TrainConfig:
                 raise ValueError("--overlap-steps needs --local-steps > 0")
             overlap_steps(self.local_steps, self.stream_fragments, self.overlap_steps)
         outer_optimizer_config(self.outer_optimizer, self.outer_lr, self.outer_momentum, self.pull_residual)
-        if self.pull_residual != "carry" and not (self.local_steps and self.mode == "ps"):
+        if self.pull_residual != "auto" and not (self.local_steps and self.mode == "ps"):
             raise ValueError(f"--pull-residual {self.pull_residual} needs --mode ps --local-steps > 0: it says where "
                              f"an outer step starts (there is no outer step without local updates on the shards)")
 

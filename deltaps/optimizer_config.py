@@ -10,8 +10,9 @@ if TYPE_CHECKING:      # torch is imported where it is used: `deltaps ctl` (the 
 SUPPORTED = ("sgd", "adam")
 # local-update jobs with a lossy pull codec: what becomes of the part of an outer step the shared pull view did not
 # carry (docs/local-updates.md#the-way-down-carry-or-drop): carry = it stays in the shard's model and goes down with
-# later pulls; drop = the next outer step starts from the view, and the outer momentum carries its direction
-PULL_RESIDUALS = ("carry", "drop")
+# later pulls; drop = the next outer step starts from the view, and the outer momentum carries its direction;
+# auto = drop under a round codec's pull, else carry (deltaps/pull_codec.py resolve_pull_residual)
+PULL_RESIDUALS = ("auto", "carry", "drop")
 
 
 @dataclass
@@ -25,7 +26,7 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    pull_residual: str = "carry"
+    pull_residual: str = "auto"
 
     def validate(self) -> None:
         if self.name not in SUPPORTED:
@@ -56,7 +57,7 @@ class OptimizerConfig:
     @classmethod
     def from_proto(cls, msg) -> "OptimizerConfig":
         fields = {k: getattr(msg, k) for k in asdict(cls()).keys()}
-        fields["pull_residual"] = fields["pull_residual"] or "carry"     # a client that does not set it
+        fields["pull_residual"] = fields["pull_residual"] or "auto"     # a client that does not set it
         return cls(**fields)
 
 
@@ -68,7 +69,7 @@ DEFAULT_OUTER = ("nesterov", 0.9, 0.8)
 
 
 def outer_optimizer_config(name: str, lr: float = 1.0, momentum: float = 0.0,
-                           pull_residual: str = "carry") -> OptimizerConfig:
+                           pull_residual: str = "auto") -> OptimizerConfig:
     """The shards' optimizer of a local-update job, applied to the workers' mean parameter delta
     (anchor - local model): avg = SGD lr 1 (the new model is the mean of the local models), sgd = SGD with
     lr and heavy-ball momentum, nesterov = SGD with lr and Nesterov momentum (DiLoCo's outer optimizer);

@@ -22,6 +22,16 @@ AUTO = {"none": "none", "fp16": "fp16", "bf16": "bf16"}
 ROUND_CODECS = ("chunktopk",)
 
 
+def resolve_pull_residual(pull_residual: str, pull_spec: str) -> str:
+    """carry or drop, for a local-update job's outer steps under the pull codec in force (OptimizerConfig.pull_residual;
+    'auto': drop under a round codec, whose sparse pulls leave most of a step behind — measured on clf, chunktopk
+    1/8: +1 to +4 points on the workers' view, x2.04 vs x1.90 sooner than torchft's best at 10 Mbit/s, 3 seeds —
+    else carry, the down-link's error feedback, measured equal under int8)."""
+    if pull_residual != "auto":
+        return pull_residual
+    return "drop" if parse_spec(pull_spec or "none")[0] in ROUND_CODECS else "carry"
+
+
 def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:
     """The pull codec in force for a given push codec ('auto' follows it, see AUTO)."""
     spec = (pull_codec or "auto").strip()

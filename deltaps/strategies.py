@@ -35,7 +35,7 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
 <outer> (local-update specs, any order among the parameters): outer=avg|sgd|nesterov, outer_lr=x,
 outer_momentum=m — this mode's outer optimizer (--outer-optimizer / --outer-lr / --outer-momentum), else the
 job's: ps-local32:int8:outer=avg, torchft:diloco:sync=32:outer_lr=0.7:outer_momentum=0.9; ps-local specs also
-pull_residual=carry|drop (--pull-residual: where an outer step starts under a lossy pull codec).
+pull_residual=auto|carry|drop (--pull-residual: where an outer step starts under a lossy pull codec).
 `ModeSpec.overrides()` gives the TrainConfig fields a spec sets; `str(ModeSpec)` its canonical spelling
 (fp32 DDP is `allreduce`, as the cost model and `deltaps advise` name it). In a comma-separated list
 (`split_mode_specs`) an item with `=` and no `:` continues the previous spec (ps:topk:ratio=0.01,chunk=4096).

@@ -103,11 +103,12 @@ def _pushed_mean(n, seed):
     return {k: sum(p[k] for p in pushes) / n for k in ("w", "b")}
 
 
-@pytest.mark.parametrize("residual", ["carry", "drop"])
+@pytest.mark.parametrize("residual", ["carry", "drop", "auto"])
 def test_an_outer_step_starts_from_the_shards_model_under_carry_and_from_the_pull_view_under_drop(cluster_factory,
                                                                                                  residual):
     """A local-update job (outer avg: model -= mean delta) pulling through a sparse codec: the view lags the shard's
-    model by what the pulls did not carry. carry keeps that in the model; drop starts the next step from the view."""
+    model by what the pulls did not carry. carry keeps that in the model; drop (auto, under a round codec's pull)
+    starts the next step from the view."""
     from deltaps.optimizer_config import outer_optimizer_config
     c = cluster_factory(1)
     cls, views = _clients(c, 2, pull_codec="chunktopk:density=0.05,chunk=256", local_steps=1,
@@ -116,7 +117,7 @@ def test_an_outer_step_starts_from_the_shards_model_under_carry_and_from_the_pul
     model1, view1 = cls[0].pull(), {n: v.clone() for n, v in views[0].items()}
     assert (model1["w"] - view1["w"]).abs().max() > 0.1          # the sparse pull left most of the step behind
     _step(cls, views, 1, 2)
-    start = view1 if residual == "drop" else model1
+    start = model1 if residual == "carry" else view1
     mean = _pushed_mean(2, 2)
     model2 = cls[0].pull()
     for n in ("w", "b"):
@@ -128,10 +129,14 @@ def test_an_outer_step_starts_from_the_shards_model_under_carry_and_from_the_pul
 def test_pull_residual_is_checked_where_it_is_set():
     from deltaps.config import load_config
     from deltaps.optimizer_config import OptimizerConfig, outer_optimizer_config
-    with pytest.raises(ValueError, match="pull residual must be one of carry, drop"):
+    with pytest.raises(ValueError, match="pull residual must be one of auto, carry, drop"):
         outer_optimizer_config("nesterov", 0.9, 0.8, pull_residual="keep")
     with pytest.raises(ValueError, match="--pull-residual drop needs --mode ps --local-steps"):
         load_config(None, {"pull_residual": "drop"})
     assert load_config(None, {"pull_residual": "drop", "local_steps": 8}).pull_residual == "drop"
     from protos import pb
-    assert OptimizerConfig.from_proto(pb.OptimizerConfig(name="sgd", lr=1.0)).pull_residual == "carry"   # unset
+    assert OptimizerConfig.from_proto(pb.OptimizerConfig(name="sgd", lr=1.0)).pull_residual == "auto"   # unset
+    from deltaps.pull_codec import resolve_pull_residual
+    assert resolve_pull_residual("auto", "chunktopk:density=0.125,chunk=4096,bits=2") == "drop"     # a round codec
+    assert resolve_pull_residual("auto", "int8") == "carry" and resolve_pull_residual("auto", "none") == "carry"
+    assert resolve_pull_residual("carry", "chunktopk") == "carry" and resolve_pull_residual("drop", "int8") == "drop"
