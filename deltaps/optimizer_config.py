@@ -38,16 +38,17 @@ class OptimizerConfig:
 
     @classmethod
     def from_torch(cls, opt: torch.optim.Optimizer) -> "OptimizerConfig":
-        """Take hyper-parameters from a local torch optimizer (the DistributedOptimizer wrapper does)."""
+        """Take hyper-parameters from a local torch optimizer (the DistributedOptimizer wrapper does): a job that
+        pushes gradients every step, whose steps keep everything a pull did not carry (pull_residual carry)."""
         import torch
         g = opt.param_groups[0]
         if isinstance(opt, torch.optim.Adam):
             b1, b2 = g["betas"]
             return cls("adam", lr=float(g["lr"]), beta1=b1, beta2=b2, eps=g["eps"],
-                       weight_decay=g["weight_decay"])
+                       weight_decay=g["weight_decay"], pull_residual="carry")
         if isinstance(opt, torch.optim.SGD):
             return cls("sgd", lr=float(g["lr"]), momentum=g["momentum"], dampening=g["dampening"],
-                       nesterov=g["nesterov"], weight_decay=g["weight_decay"])
+                       nesterov=g["nesterov"], weight_decay=g["weight_decay"], pull_residual="carry")
         raise ValueError(f"server optimizer cannot mirror {type(opt).__name__}; use SGD or Adam")
 
     def to_proto(self, msg) -> None:

@@ -18,18 +18,19 @@ FULL, DELTA, UNCHANGED = 0, 1, 2
 # else int8. Sparse or 1-bit parameter deltas cost accuracy: `bench compare` on the 4.3M-parameter MLP,
 # 40 steps, lost 7.8 points with topk pushes + sign pulls vs +0.3 with int8 pulls.
 AUTO = {"none": "none", "fp16": "fp16", "bf16": "bf16"}
-# a round codec (local-update jobs) pulls as it pushes: the shard's view gives the down-link its error feedback
+# a round codec (local-update jobs) pulls as it pushes (what the view leaves behind: resolve_pull_residual)
 ROUND_CODECS = ("chunktopk",)
 
 
-def resolve_pull_residual(pull_residual: str, pull_spec: str) -> str:
-    """carry or drop, for a local-update job's outer steps under the pull codec in force (OptimizerConfig.pull_residual;
-    'auto': drop under a round codec, whose sparse pulls leave most of a step behind — measured on clf, chunktopk
-    1/8: +1 to +4 points on the workers' view, x2.04 vs x1.90 sooner than torchft's best at 10 Mbit/s, 3 seeds —
-    else carry, the down-link's error feedback, measured equal under int8)."""
+def resolve_pull_residual(pull_residual: str, pull_spec: str, local_updates: bool = True) -> str:
+    """carry or drop, for a job's outer steps under the pull codec in force (OptimizerConfig.pull_residual). 'auto':
+    drop in a local-update job pulling through a round codec, whose sparse pulls leave most of a step behind
+    (measured on clf, chunktopk 1/8: +1 to +4 points on the workers' view; x2.04 vs x1.90 sooner than torchft's best
+    at 10 Mbit/s, 3 seeds); else carry, the down-link's error feedback (measured equal under int8) — always where
+    steps are gradients (OptimizerConfig.from_torch says carry)."""
     if pull_residual != "auto":
         return pull_residual
-    return "drop" if parse_spec(pull_spec or "none")[0] in ROUND_CODECS else "carry"
+    return "drop" if local_updates and parse_spec(pull_spec or "none")[0] in ROUND_CODECS else "carry"
 
 
 def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:

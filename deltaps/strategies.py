@@ -263,7 +263,7 @@ def _torchft_spec(arg: str, text: str) -> ModeSpec:
         raise ValueError(f"mode {text!r}: torchft runs diloco or localsgd, e.g. torchft:diloco:sync=32")
     rest, fields = _outer_fields(rest, text)
     if "pull_residual" in fields:
-        raise ValueError(f"mode {text!r}: torchft allreduces exact pseudo-gradients: no pull view, no pull_residual")
+        raise ValueError(f"mode {text!r}: torchft has no compressed pull view; pull_residual is for ps-local modes")
     if fields and algorithm == "localsgd":
         raise ValueError(f"mode {text!r}: torchft:localsgd averages the models: it has no outer optimizer")
     allowed = "sync=H, min_replicas=N (integers), timeout=S" if algorithm == "localsgd" else (

@@ -21,7 +21,7 @@ from compression.server import Decoded
 from deltaps.errors import NOT_LIVE_MEMBER, PAUSED, ShardError
 from deltaps.layout import Key
 from deltaps.optimizer_config import OptimizerConfig
-from deltaps.pull_codec import FULL, UNCHANGED, resolve_pull_codec, resolve_pull_residual
+from deltaps.pull_codec import FULL, UNCHANGED, resolve_pull_codec
 from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
@@ -269,7 +269,7 @@ class Shard(Membership):
         if ks.spec.is_buffer:
             buffers.finish(ks)
         else:
-            if ks.view is not None and resolve_pull_residual(self.job.optimizer.pull_residual, self.pull_spec) == "drop":
+            if ks.view is not None and self.job.drops_pull_residual(self.pull_spec):
                 ks.value.copy_(ks.view.view)     # the outer step starts from the model the workers hold
             ks.opt.apply_step(ks.agg / ks.agg_weight)   # the weighted mean over contributions
             self._count_update()

@@ -13,6 +13,7 @@ import torch
 
 from deltaps.layout import Key
 from deltaps.optimizer_config import OptimizerConfig
+from deltaps.pull_codec import resolve_pull_residual
 from deltaps.sync import SyncMode, parse_sync
 from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView
@@ -35,6 +36,10 @@ class Job:
         self.elastic = self.elastic or bool(self.min_workers or self.max_workers)
         self.min_workers = self.min_workers or 1
         self.max_workers = self.max_workers or self.world_size
+
+    def drops_pull_residual(self, pull_spec: str) -> bool:
+        """Each outer step starts from the pull view (deltaps/pull_codec.py resolve_pull_residual)."""
+        return resolve_pull_residual(self.optimizer.pull_residual, pull_spec, self.local_steps > 0) == "drop"
 
     def state_dict(self) -> dict:
         return {"world_size": self.world_size, "sync": str(self.sync), "optimizer": asdict(self.optimizer),

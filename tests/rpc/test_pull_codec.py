@@ -136,7 +136,11 @@ def test_pull_residual_is_checked_where_it_is_set():
     assert load_config(None, {"pull_residual": "drop", "local_steps": 8}).pull_residual == "drop"
     from protos import pb
     assert OptimizerConfig.from_proto(pb.OptimizerConfig(name="sgd", lr=1.0)).pull_residual == "auto"   # unset
+    import torch.optim
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert OptimizerConfig.from_torch(sgd).pull_residual == "carry"      # gradient pushes: nothing is dropped
     from deltaps.pull_codec import resolve_pull_residual
     assert resolve_pull_residual("auto", "chunktopk:density=0.125,chunk=4096,bits=2") == "drop"     # a round codec
     assert resolve_pull_residual("auto", "int8") == "carry" and resolve_pull_residual("auto", "none") == "carry"
+    assert resolve_pull_residual("auto", "chunktopk", local_updates=False) == "carry"     # gradient steps
     assert resolve_pull_residual("carry", "chunktopk") == "carry" and resolve_pull_residual("drop", "int8") == "drop"
