@@ -74,7 +74,11 @@ class ChunkTopKCodec(SparseCodec):
         if n % c:
             k_row[-1] = self.per_chunk(n % c)      # the tail chunk's share of its own length
         k = int(k_row.max()) if rows else 0
-        mags, pos = grid.abs().topk(k, dim=1)
+        absolute = grid.abs()
+        # unsorted: 5.6 vs 8.6 ms at 1/8 of 144 x 4096 (one thread); the positions are sorted below anyway
+        mags, pos = absolute.topk(k, dim=1, sorted=False)
+        if rows and int(k_row[-1]) < k:       # a shorter tail chunk takes its own quota: its largest first
+            mags[-1], pos[-1] = absolute[-1].topk(k)
         keep = (torch.arange(k)[None, :] < k_row[:, None]) & (mags > 0)     # zeros never sent
         pos = torch.where(keep, pos, c)                                      # dropped ones sort last
         pos, order = pos.sort(dim=1)
