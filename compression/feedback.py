@@ -12,6 +12,11 @@ import torch
 from compression.base import Codec, Payload
 
 
+def squared_norm(t: torch.Tensor) -> float:
+    """|t|^2, accumulated in float32 at least, float64 for float64 (what the energy figures sum)."""
+    return float(t.detach().to(torch.promote_types(t.dtype, torch.float32)).square().sum())
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -38,13 +43,13 @@ class ErrorFeedback:
                 tensor = self.fold(key, tensor).view(tensor.shape).to(tensor.dtype)
             return self.codec.compress(tensor, seed=seed, key=key)
         g = self.fold(key, tensor)
-        due = float(g.square().sum()) if self.measure else 0.0
+        due = squared_norm(g) if self.measure else 0.0
         src = g.view(tensor.shape)
         payload = self.codec.compress(src if src.dtype == tensor.dtype else src.to(tensor.dtype), seed=seed, key=key)
         self.codec.accumulate(payload, g, alpha=-1.0)     # residual = g' - D(p), in place, decoded on g's device
         self._residual[key] = g
         if self.measure:
-            self.energy[key] = (due, float(g.square().sum()))
+            self.energy[key] = (due, squared_norm(g))
         return payload
 
     def take_back(self, key: str, payload: Payload) -> torch.Tensor:

@@ -19,7 +19,7 @@ import threading
 import torch
 
 from compression.base import NoneCodec, Payload, get_codec
-from compression.feedback import ErrorFeedback
+from compression.feedback import ErrorFeedback, squared_norm
 
 
 class Compressor:
@@ -28,7 +28,7 @@ class Compressor:
         self.min_bytes, self.warmup_steps = int(min_bytes), int(warmup_steps)
         self._none = NoneCodec()
         self._ef = ErrorFeedback(self._none)
-        self.measure_energy = self._ef.measure = bool(measure_energy)
+        self._ef.measure = bool(measure_energy)
         self._lock = threading.Lock()
         self.reset_stats()
         self.set_spec(spec, error_feedback=error_feedback)
@@ -40,6 +40,10 @@ class Compressor:
     @property
     def codec(self):
         return self._codec
+
+    @property
+    def measure_energy(self) -> bool:
+        return self._ef.measure
 
     @property
     def error_feedback(self) -> bool:
@@ -65,7 +69,7 @@ class Compressor:
                 or not tensor.is_floating_point() or (est is not None and est >= raw)):
             payload, sent = self._passthrough(key, tensor)
             if self.measure_energy and sent.is_floating_point():
-                energy = (_sq(sent), 0.0)
+                energy = (squared_norm(sent), 0.0)
         elif self._use_ef:
             payload = self._ef.compress(tensor, seed=seed, key=key)
             energy = self._ef.energy.pop(key, None)
@@ -74,7 +78,8 @@ class Compressor:
                 tensor = self._ef.fold(key, tensor).view(tensor.shape).to(tensor.dtype)
             payload = codec.compress(tensor, seed=seed, key=key)
             if self.measure_energy:     # what the payload did not carry is dropped
-                energy = (_sq(tensor), _sq(tensor.reshape(-1).float() - codec.decompress(payload).reshape(-1).float()))
+                lost = tensor.reshape(-1).float() - codec.decompress(payload).reshape(-1).float()
+                energy = (squared_norm(tensor), squared_norm(lost))
         if payload.codec != "none" and payload.nbytes >= raw:  # codec without a size estimate: send what was due raw
             if self._use_ef and not getattr(codec, "internal_error_feedback", False):
                 tensor = self._ef.take_back(key, payload).view(tensor.shape).to(tensor.dtype)
@@ -122,7 +127,3 @@ class Compressor:
 def energy_share(due: float, left: float) -> float | None:
     """1 - left / due: the share of the squared norm due that the payloads carried (None when nothing was due)."""
     return 1.0 - left / due if due > 0 else None
-
-
-def _sq(t: torch.Tensor) -> float:
-    return float(t.detach().float().square().sum())
