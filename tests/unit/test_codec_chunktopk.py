@@ -2,6 +2,7 @@
 nothing over rounds, and the shards' sum of sparse contributions against a dense reference."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,9 +50,20 @@ def test_levels_are_odd_multiples_of_the_scale_over_L():
     assert ((d4 - x).abs() <= 3.0 / 15 + 1e-6).all()
 
 
-def test_defaults_cost_under_one_percent_of_fp32():
+def test_defaults_cost_about_half_a_percent_of_fp32():
     p = get_codec("chunktopk").compress(torch.randn(1 << 20))
-    assert 0.0070 < p.nbytes / (4 << 20) < 0.0074, p.nbytes          # 64 of 4096 x (12 + 2) bits + 6 B per chunk
+    # 16,384 sent: Elias-Fano 6 low bits + 2 high bits each, 2-bit codes, a float32 scale per 4096 chunk
+    assert p.nbytes == 16384 * (6 + 2 + 2) // 8 + 256 * 4, p.nbytes
+    assert p.nbytes / (4 << 20) < 0.0052
+
+
+@pytest.mark.parametrize("density,bits_per_sent", [(1 / 64, 8 + 2), (1 / 8, 5 + 2), (1 / 4, 4 + 2)])
+def test_positions_cost_two_plus_log2_inverse_density_bits(density, bits_per_sent):
+    n = 144 * 4096                                     # the clf model's 768 x 768 weight
+    p = ChunkTopKCodec(density=density).compress(torch.randn(n) + 0.01)
+    sent = p.header["sent"]
+    assert sent == 144 * math.ceil(density * 4096)
+    assert p.nbytes == sent * bits_per_sent // 8 + 144 * 4
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -77,19 +89,44 @@ def _tampered(p: Payload, offset: int, value: bytes) -> Payload:
     return Payload(p.codec, p.shape, p.dtype, bytes(body), p.header)
 
 
-def test_corrupt_counts_positions_and_headers_are_codec_errors():
+def _with_high_bits(p: Payload, offset: int, nbits: int, edit) -> Payload:
+    """p with its Elias-Fano high-bit vector (nbits at byte offset) passed through edit(bit array)."""
+    nbytes = -(-nbits // 8)
+    high = np.unpackbits(np.frombuffer(bytes(p.data)[offset:offset + nbytes], np.uint8), count=nbits,
+                         bitorder="little")
+    edit(high)
+    return _tampered(p, offset, np.packbits(high, bitorder="little").tobytes())
+
+
+def test_corrupt_positions_and_headers_are_codec_errors():
     c = ChunkTopKCodec(density=0.1, chunk=64)
-    p = c.compress(torch.randn(100) + 0.01)            # chunks of 64 and 36; counts at bytes 8..11
-    with pytest.raises(CodecError, match="count is negative or exceeds"):
-        decode_payload(_tampered(p, 8, (65).to_bytes(2, "little")))
-    with pytest.raises(CodecError, match="count is negative or exceeds"):
-        decode_payload(_tampered(p, 10, (37).to_bytes(2, "little")))
-    # positions start at byte 12, 6 bits each: entries 0-6 are the first chunk's, 7-10 the 36-element tail's
-    with pytest.raises(CodecError, match="position lies outside its chunk"):
-        decode_payload(_tampered(p, 12 + 6, b"\xff" * 3))         # entries 8-10 -> position 63
-    with pytest.raises(CodecError, match="not strictly ascending"):        # entry 1 = entry 0's position
-        decode_payload(_tampered(p, 12, bytes(2)))
-    for header, match in (({"bits": 3}, "bits=3"), ({"n": 99}, "does not match shape"), ({"chunk": 1}, "chunk")):
+    x = torch.zeros(100)
+    x[[0, 3, 9, 20, 33, 40, 63, 64, 70, 71, 99]] = torch.arange(1.0, 12.0)    # chunks of 64 and 36: 7 + 4 sent
+    p = c.compress(x)
+    # sections: 2 float32 scales | 11 x 3 low bits (floor(log2(100 / 11))) = 5 B | 11 + 12 + 1 = 24 high bits | codes
+    assert p.header["sent"] == 11 and p.nbytes == 8 + 5 + 3 + 3
+    low, high = 8, 13
+
+    def set_spare(bits):                               # one set bit more than the header's count
+        bits[np.flatnonzero(bits == 0)[0]] = 1
+
+    def clear_first(bits):
+        bits[np.flatnonzero(bits)[0]] = 0
+
+    def last_past_the_end(bits):                       # the last high part 13: positions from 104 on
+        bits[np.flatnonzero(bits)[-1]] = 0
+        bits[-1] = 1
+
+    with pytest.raises(CodecError, match="holds 12 set bits, the header says 11"):
+        decode_payload(_with_high_bits(p, high, 24, set_spare))
+    with pytest.raises(CodecError, match="holds 10 set bits"):
+        decode_payload(_with_high_bits(p, high, 24, clear_first))
+    with pytest.raises(CodecError, match="out of range"):
+        decode_payload(_with_high_bits(p, high, 24, last_past_the_end))
+    with pytest.raises(CodecError, match="not strictly ascending"):   # every low part 7: 0 and 3 collide
+        decode_payload(_tampered(p, low, b"\xff" * 5))
+    for header, match in (({"bits": 3}, "bits=3"), ({"n": 99}, "does not match shape"), ({"chunk": 1}, "chunk"),
+                          ({"sent": 101}, "'sent'=101"), ({"sent": 12}, "expected")):
         with pytest.raises(CodecError, match=match):
             decode_payload(Payload(p.codec, p.shape, p.dtype, p.data, {**p.header, **header}))
     with pytest.raises(CodecError, match="truncated or corrupt"):

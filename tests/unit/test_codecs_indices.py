@@ -1,5 +1,6 @@
 """Compact index sections of the sparse codecs (u16 / delta + bit-packing), see compression.wire."""
 import dataclasses
+import math
 
 import msgpack
 import numpy as np
@@ -232,3 +233,24 @@ def test_index_section_extremes(n, idx):
     assert nbytes == sec.size and (enc != "bp" or bits == wire.gap_bits(int(np.diff(a).max(initial=1)) - 1))
     got = wire.decode_indices(p, n, k, enc, bits, i0, torch.from_numpy(sec.copy()))
     assert got.tolist() == idx
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000).flatmap(lambda u: st.tuples(st.just(u), st.sets(st.integers(0, u - 1), max_size=u))))
+def test_elias_fano_round_trip_and_size(case):
+    universe, chosen = case
+    values = np.array(sorted(chosen), dtype=np.int64)
+    lows, highs = wire.ef_encode(values, universe)
+    k = values.size
+    assert [lows.size, highs.size] == [count for _, count in wire.ef_sections(universe, k)]
+    assert np.array_equal(wire.ef_decode("t", torch.from_numpy(lows), torch.from_numpy(highs), k, universe), values)
+    if k:   # at most 2 + ceil(log2(universe / k)) bits a value, padding aside
+        low = wire.ef_low_bits(universe, k)
+        assert low * k + wire.ef_high_nbits(universe, k) <= k * (2 + max(0, math.ceil(math.log2(universe / k)))) + 1
+
+
+@pytest.mark.parametrize("universe", [1, 2, 7, 64, 100, 1000, 4096])
+def test_elias_fano_bits_grow_with_the_count(universe):
+    """chunktopk's wire_nbytes bounds a payload by its full quota (+1 byte for the sections' rounding)."""
+    bits = [wire.ef_low_bits(universe, k) * k + wire.ef_high_nbits(universe, k) for k in range(universe + 1)]
+    assert bits == sorted(bits)
