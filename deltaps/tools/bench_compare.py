@@ -29,7 +29,7 @@ import yaml
 from deltaps.config import DEVICES
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, cpu_roles, netns
-from deltaps.tools.bench_nodes import Nodes, cpu_figures
+from deltaps.tools.bench_nodes import Nodes, cpu_figures, topology_nodes
 from deltaps.tools.bench_seeds import merge
 from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
 from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, tail_file, wait_port_file
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus-per-worker", type=float, default=None,
                    help="cap every worker's process tree at X cores (a cgroup each, needs root), so no worker gets "
                         "the CPU another leaves idle, as on machines of their own (deltaps/tools/cpu_caps.py)")
+    p.add_argument("--colocate", action="store_true",
+                   help="run the shards (and torchft's Lighthouse) on the workers' machines: shard i in worker i mod W's "
+                        "namespace, link and CPU cap, so ps modes use the peers' W links instead of S + W")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespaces")
     p.add_argument("--netns-prefix", default=netns.PREFIX,
                    help="name prefix of the namespaces/links this run creates (and whose stale leftovers it removes)")
@@ -159,11 +162,11 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
         if cfg.mode in ("ps", "hybrid"):
             for i in range(S):
                 log = open(os.path.join(d, f"server{i}.log"), "w")
-                servers.append(subprocess.Popen(
+                servers.append(net.started(i, subprocess.Popen(
                     net.prefix(i) + py + ["server", "--host", net.addr(i), "--port", "0", "--shard-id", str(i),
                                           "--num-shards", str(S), "--port-file", os.path.join(d, f"server{i}.port"),
                                           "--wait-timeout", str(args.timeout * 2)],
-                    stdout=log, stderr=subprocess.STDOUT))
+                    stdout=log, stderr=subprocess.STDOUT)))
             addrs = [f"{net.addr(i)}:{wait_port_file(os.path.join(d, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
             target = ["--servers", ",".join(addrs)]
             if cfg.mode == "hybrid":   # + the gloo rendezvous of the dense part
@@ -289,10 +292,12 @@ def compare(args) -> dict:
         if args.latency:
             report["network"]["notes"].append("latency NOT applied (loopback run)")
     else:
-        topo = netns.Topology(args.servers + args.workers, rate=args.bandwidth, latency=args.latency,
-                              prefix=args.netns_prefix)
+        topo = netns.Topology(topology_nodes(args.servers, args.workers, args.colocate), rate=args.bandwidth,
+                              latency=args.latency, prefix=args.netns_prefix)
     caps = CpuCaps(args.cpus_per_worker, range(args.servers, args.servers + args.workers), args.netns_prefix) \
         if args.cpus_per_worker else None
+    net = Nodes(topo, caps, servers=args.servers, workers=args.workers, colocate=args.colocate)
+    report["network"]["colocated"] = args.colocate
     old = netns.install_signal_handlers()
     tmp = tempfile.mkdtemp(prefix="deltaps-compare-")
     try:
@@ -303,7 +308,7 @@ def compare(args) -> dict:
             report["network"]["description"] = topo.describe()
             report["network"]["notes"] += topo.notes
             try:
-                w0, w1 = args.servers, args.servers + 1 if args.workers > 1 else 0
+                w0, w1 = net.topology_index(args.servers), net.topology_index(args.servers + 1 if args.workers > 1 else 0)
                 if w0 != w1:
                     bps = netns.measure_throughput(topo, w0, w1, int(min(64 << 20, max(4 << 20, topo.rate_bps / 8 / 4))))
                     report["network"]["measured_link_gbit_s"] = bps / 1e9
@@ -312,7 +317,6 @@ def compare(args) -> dict:
         if caps:
             caps.up()
             report["cpu_caps"] = caps.describe()
-        net = Nodes(topo, caps)
         print(bench_report.header(report), flush=True)
         runs: dict[str, list[dict]] = {spec: [] for spec in specs}
         healthy: dict[str, list[dict]] = {spec: [] for spec in specs}     # --straggler / --kill: the same, no faults

@@ -1,32 +1,51 @@
 """Where each process of a `deltaps bench compare` race runs: node i's network namespace of the shaped topology
 (deltaps/tools/netns.py; loopback without one) and, with --cpus-per-worker, the worker nodes' CPU caps
-(deltaps/tools/cpu_caps.py). Nodes 0 .. servers-1 hold shards (or torchft's Lighthouse), the rest workers."""
+(deltaps/tools/cpu_caps.py). Nodes 0 .. servers-1 hold shards (or torchft's Lighthouse), the rest workers.
+--colocate: the shards live on the workers' machines (shard i on worker i mod W's namespace, link and CPU cap, as
+BytePS's colocated mode), so a ps race uses the peers' W links instead of S + W."""
 from __future__ import annotations
 
 from deltaps.tools import netns
 from deltaps.tools.cpu_caps import CpuCaps
 
 
+def topology_nodes(servers: int, workers: int, colocate: bool) -> int:
+    """Namespaces (links) the race's topology needs."""
+    return workers if colocate else servers + workers
+
+
 class Nodes:
-    def __init__(self, topo: "netns.Topology | None", caps: CpuCaps | None = None):
+    def __init__(self, topo: "netns.Topology | None", caps: CpuCaps | None = None, *, servers: int = 0,
+                 workers: int = 0, colocate: bool = False):
         self.topo, self.caps = topo, caps
+        self._shared = (servers, workers) if colocate else None
+
+    def host(self, i: int) -> int:
+        """The node whose machine runs node i: i, or with --colocate a shard's worker node."""
+        if self._shared is None or i >= self._shared[0]:
+            return i
+        servers, workers = self._shared
+        return servers + i % workers
+
+    def topology_index(self, i: int) -> int:
+        return self.host(i) - (self._shared[0] if self._shared else 0)
 
     def prefix(self, i: int) -> list[str]:
-        return self.topo.exec_prefix(i) if self.topo else []
+        return self.topo.exec_prefix(self.topology_index(i)) if self.topo else []
 
     def addr(self, i: int) -> str:
-        return self.topo.addr(i) if self.topo else "127.0.0.1"
+        return self.topo.addr(self.topology_index(i)) if self.topo else "127.0.0.1"
 
     def ifname(self, i: int) -> str:
-        return self.topo.ifname(i) if self.topo else "lo"
+        return self.topo.ifname(self.topology_index(i)) if self.topo else "lo"
 
     def counters(self, nodes) -> dict:
-        return {i: self.topo.link_bytes(i) for i in nodes} if self.topo else {}
+        return {i: self.topo.link_bytes(self.topology_index(i)) for i in nodes} if self.topo else {}
 
     def started(self, i: int, proc):
-        """proc, just started on node i, moved into the node's CPU cap (if it has one)."""
-        if self.caps and i in self.caps.nodes:
-            self.caps.adopt(i, proc.pid)
+        """proc, just started on node i, moved into its machine's CPU cap (if it has one)."""
+        if self.caps and self.host(i) in self.caps.nodes:
+            self.caps.adopt(self.host(i), proc.pid)
         return proc
 
     def cpu(self, nodes) -> dict:

@@ -277,9 +277,9 @@ def header(report: dict) -> str:
     if net.get("measured_link_gbit_s") is not None:
         lines.append(f"         measured one TCP stream worker->worker: {net['measured_link_gbit_s']:.3f} Gbit/s")
     lines.append(f"host: {report['host_cpus']} CPU cores shared by all processes "
-                 f"({report['workers']} workers + {report['servers']} shards in ps modes)")
-    for n in net.get("notes", []):
-        lines.append(f"NOTE: {n}")
+                 f"({report['workers']} workers + {report['servers']} shards in ps modes"
+                 f"{'; --colocate: shards and Lighthouse on the workers nodes, W links' if net.get('colocated') else ''})")
+    lines += [f"NOTE: {n}" for n in net.get("notes", [])]
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 """Namespace/tbf network builder and `deltaps bench compare`."""
+import importlib.util
 import json
 import subprocess
 
@@ -6,9 +7,11 @@ import pytest
 
 from deltaps.tools import bench_compare as bc
 from deltaps.tools import netns
+from deltaps.tools.bench_nodes import Nodes, topology_nodes
 
 OK, WHY = netns.shaping_available()
 needs_root = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+TORCHFT = importlib.util.find_spec("torchft") is not None      # the optional `peers` extra
 TEST_PREFIX = "dpst"        # not the bench's prefix, so a running bench is never touched
 
 
@@ -120,3 +123,27 @@ def test_bench_compare_time_to_accuracy(tmp_path):
     # a local-update job stopped at the target: its result is the global model that reached it (no flush round)
     local = r["modes"]["ps-local6x2o2:int8"]
     assert local["final_test_accuracy"] == pytest.approx(local["evals"][-1]["test_accuracy"])
+
+
+def test_colocated_nodes_put_shard_i_on_worker_i_mod_w():
+    net = Nodes(None, servers=3, workers=2, colocate=True)
+    assert [net.host(i) for i in range(5)] == [3, 4, 3, 3, 4]
+    assert [net.topology_index(i) for i in range(5)] == [0, 1, 0, 0, 1]
+    apart = Nodes(None, servers=3, workers=2)
+    assert [apart.topology_index(i) for i in range(5)] == [0, 1, 2, 3, 4]
+    assert topology_nodes(3, 2, True) == 2 and topology_nodes(3, 2, False) == 5
+
+
+@pytest.mark.slow
+@needs_root
+def test_bench_compare_colocated_uses_the_workers_links_only(tmp_path):
+    """--colocate: 2 namespaces for 2 workers + 2 shards (+ the Lighthouse); the ps and torchft modes run there."""
+    out = tmp_path / "c.json"
+    modes = "ps-local4:chunktopk:density=0.125" + (",torchft:diloco:sync=4" if TORCHFT else "")
+    rc = bc.main(["--workers", "2", "--servers", "2", "--steps", "12", "--workload", "clf", "--hidden", "32",
+                  "--modes", modes, "--bandwidth", "200mbit", "--colocate", "--json", str(out), "--netns-prefix", "dpsc"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["network"]["colocated"] is True and r["network"]["description"].startswith("2 namespaces")
+    assert all(m["steps"] == 12 for m in r["modes"].values()) and len(r["modes"]) == len(modes.split(","))
+    assert r["network"]["teardown_clean"] is True and netns.list_leftovers("dpsc") == {"netns": [], "links": []}
