@@ -57,6 +57,14 @@ class Codec:
         scatter-add."""
         out.view(-1).add_(self.decompress_on(payload, out.device).view(-1).to(out.dtype), alpha=alpha)
 
+    def compress_leaving(self, tensor: torch.Tensor, residual: torch.Tensor, *, seed: int = 0,
+                         key: str | None = None) -> Payload:
+        """compress(tensor), and residual.view(-1) -= what the payload decodes to (error feedback's memory update).
+        Codecs that know their decoded values without parsing their own payload override it."""
+        payload = self.compress(tensor, seed=seed, key=key)
+        self.accumulate(payload, residual, alpha=-1.0)
+        return payload
+
     decodes_on_device = False   # decompress(payload, out=<a GPU tensor>) decodes there: only the payload crosses
 
     def decompress_on(self, payload: Payload, device: torch.device) -> torch.Tensor:

@@ -45,8 +45,9 @@ class ErrorFeedback:
         g = self.fold(key, tensor)
         due = squared_norm(g) if self.measure else 0.0
         src = g.view(tensor.shape)
-        payload = self.codec.compress(src if src.dtype == tensor.dtype else src.to(tensor.dtype), seed=seed, key=key)
-        self.codec.accumulate(payload, g, alpha=-1.0)     # residual = g' - D(p), in place, decoded on g's device
+        # residual = g' - D(p), in place, on g's device
+        payload = self.codec.compress_leaving(src if src.dtype == tensor.dtype else src.to(tensor.dtype), g,
+                                              seed=seed, key=key)
         self._residual[key] = g
         if self.measure:
             self.energy[key] = (due, squared_norm(g))

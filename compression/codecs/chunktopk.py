@@ -30,6 +30,12 @@ def _sections(n: int, chunk: int, bits: int, sent: int):
     return [(torch.float32, -(-n // chunk)), *wire.ef_sections(n, sent), (torch.uint8, wire.packed_nbytes(sent, bits))]
 
 
+def _values(codes: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """The float32 values codes on `levels` odd levels of their chunks' scales stand for (encoder and decoder alike:
+    the worker's error feedback subtracts exactly what the shards add)."""
+    return (2 * codes - levels).to(torch.float32) / levels * scales
+
+
 @register("chunktopk")
 class ChunkTopKCodec(SparseCodec):
     name = "chunktopk"
@@ -57,6 +63,17 @@ class ChunkTopKCodec(SparseCodec):
         return wire.body_size(_sections(numel, self.chunk, self.bits, sent)) + 1
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
+        return self._encode(tensor)[0]
+
+    def compress_leaving(self, tensor: torch.Tensor, residual: torch.Tensor, *, seed: int = 0,
+                         key: str | None = None) -> Payload:
+        payload, flat, values = self._encode(tensor)     # the sent values as decoded, without parsing the payload
+        dst = residual.view(-1)
+        dst.index_add_(0, flat.to(dst.device), values.to(dst.device, dst.dtype), alpha=-1.0)
+        return payload
+
+    def _encode(self, tensor: torch.Tensor) -> tuple[Payload, torch.Tensor, torch.Tensor]:
+        """(payload, int64 flat positions, float32 values as the receiver decodes them)."""
         x = flat_float(tensor).cpu()
         if not bool(torch.isfinite(x).all()):
             raise CodecError("chunktopk: the tensor holds NaN or Inf values; refusing to send them")
@@ -68,32 +85,39 @@ class ChunkTopKCodec(SparseCodec):
         k_row = torch.full((rows,), self.per_chunk(c))
         if n % c:
             k_row[-1] = self.per_chunk(n % c)      # the tail chunk's share of its own length
-        k = int(k_row.max()) if rows else 0
-        absolute = grid.abs()
-        # unsorted: 5.6 vs 8.6 ms at 1/8 of 144 x 4096 (one thread); the positions are sorted below anyway
-        mags, pos = absolute.topk(k, dim=1, sorted=False)
-        if rows and int(k_row[-1]) < k:       # a shorter tail chunk takes its own quota: its largest first
-            mags[-1], pos[-1] = absolute[-1].topk(k)
-        keep = (torch.arange(k)[None, :] < k_row[:, None]) & (mags > 0)     # zeros never sent
-        pos = torch.where(keep, pos, c)                                      # dropped ones sort last
-        pos, order = pos.sort(dim=1)
-        keep = keep.gather(1, order)
-        vals = grid.gather(1, pos.clamp_max(c - 1))[keep]
-        counts = keep.sum(dim=1)
-        scale = grid.abs().amax(dim=1) if rows else torch.zeros(0)      # the largest |x| is always sent
+        flat, scale = self._select(grid.abs(), k_row)
+        c_of = flat // c
         levels = (1 << self.bits) - 1
-        row_of = torch.repeat_interleave(torch.arange(rows), counts)
-        s = scale[row_of]
-        codes = torch.round((vals / torch.where(s > 0, s, 1.0) * levels + levels) / 2).clamp_(0, levels)
-        sent = int(counts.sum())
+        s = scale[c_of]
+        codes = torch.round((grid.view(-1)[flat] / torch.where(s > 0, s, 1.0) * levels + levels) / 2).clamp_(0, levels)
+        sent = int(flat.numel())
         body, (scales, low_sec, high_sec, code_sec) = new_body(_sections(n, c, self.bits, sent))
         scales.copy_(scale)
-        flat = (row_of * c + pos[keep]).numpy()         # row-major and ascending within a row: ascending
-        lows, highs = wire.ef_encode(flat, n)
+        lows, highs = wire.ef_encode(flat.numpy(), n)
         low_sec.copy_(torch.from_numpy(lows))
         high_sec.copy_(torch.from_numpy(highs))
         code_sec.copy_(torch.from_numpy(wire.bitpack(codes.to(torch.int64).numpy().astype(np.uint64), self.bits)))
-        return make_payload(self.name, tensor, body, {"n": n, "chunk": c, "bits": self.bits, "sent": sent})
+        payload = make_payload(self.name, tensor, body, {"n": n, "chunk": c, "bits": self.bits, "sent": sent})
+        return payload, flat, _values(codes, s, levels)
+
+    @staticmethod
+    def _select(absolute: torch.Tensor, k_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ascending flat positions of each row's k_row largest nonzero |x|, each row's max |x| = its scale, always
+        sent) of a zero-padded rows x chunk grid."""
+        rows, c = absolute.shape
+        if not rows:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+        k = int(k_row.max())
+        # unsorted: 5.6 vs 8.6 ms at 1/8 of 144 x 4096 (one thread); each row's smallest kept |x| is its threshold
+        mags = absolute.topk(k, dim=1, sorted=False)[0]
+        threshold = mags.amin(dim=1)
+        if int(k_row[-1]) < k:       # a shorter tail chunk takes its own quota
+            threshold[-1] = absolute[-1].topk(int(k_row[-1]))[0][-1]
+        keep = (absolute >= threshold[:, None]) & (absolute > 0)      # zeros never sent
+        if bool((keep.sum(dim=1) > k_row).any()):      # ties at a threshold: cut each row at its quota
+            pos = absolute.topk(k, dim=1)[1]           # largest first
+            keep = torch.zeros_like(keep).scatter_(1, pos, torch.arange(k)[None, :] < k_row[:, None]) & (absolute > 0)
+        return keep.view(-1).nonzero().view(-1), mags.amax(dim=1)      # row-major: ascending
 
     def _read(self, payload: Payload):
         """(n, int64 indices, float32 values) of a validated payload; CodecError on anything inconsistent."""
@@ -108,6 +132,4 @@ class ChunkTopKCodec(SparseCodec):
         scales, low_sec, high_sec, code_sec = read_body(payload, _sections(n, c, bits, sent))
         flat = torch.from_numpy(wire.ef_decode(self.name, low_sec, high_sec, sent, n))
         codes = torch.from_numpy(wire.bitunpack(code_sec.numpy(), sent, bits).astype(np.int64))
-        levels = (1 << bits) - 1
-        vals = (2 * codes - levels).to(torch.float32) / levels * scales[flat // c]
-        return n, flat, vals
+        return n, flat, _values(codes, scales[flat // c], (1 << bits) - 1)

@@ -32,6 +32,32 @@ def test_quota_per_chunk_tail_included_and_the_chunk_max_exact(n, bits):
     assert p.nbytes <= c.wire_nbytes(n, torch.float32)
 
 
+@pytest.mark.parametrize("n", [100, 4097])
+def test_ties_at_the_threshold_still_send_exactly_the_quota(n):
+    c = ChunkTopKCodec(density=0.1, chunk=64)
+    x = torch.ones(n)
+    x[::3] = -1.0
+    x[5] = 0.0                                         # a zero is never sent, even among ties
+    p = c.compress(x)
+    assert sent_per_chunk(p, 64) == [math.ceil(0.1 * min(64, n - i)) for i in range(0, n, 64)]
+    d = decode_payload(p).view(-1)
+    assert d[5] == 0 and torch.equal(d[d != 0], x[d != 0])       # every tie sent exactly (levels +-scale)
+
+
+@pytest.mark.parametrize("density,bits", [(1 / 64, 2), (0.25, 4), (0.1, 2)])
+def test_the_error_feedback_update_is_the_generic_one_without_parsing(density, bits):
+    """compress_leaving subtracts the values the encoder knows; the base Codec's way decodes the payload: the same
+    residual to the bit, so the shards add exactly what the worker's error feedback took out."""
+    from compression.base import Codec
+    c = ChunkTopKCodec(density=density, chunk=256, bits=bits)
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
+    fast, generic = x.clone(), x.clone()
+    p = c.compress_leaving(x, fast)
+    q = Codec.compress_leaving(c, x, generic)
+    assert bytes(p.data) == bytes(q.data) and p.header == q.header
+    assert torch.equal(fast, generic)
+
+
 def test_zeros_are_never_sent_and_a_zero_chunk_costs_its_header_only():
     c = ChunkTopKCodec(density=0.25, chunk=16)
     x = torch.zeros(48)
