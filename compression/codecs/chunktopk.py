@@ -7,7 +7,7 @@ Body: float32 scale per chunk | the sent elements' flat positions, Elias-Fano (w
 2 + log2(1 / density) bits each, fewer than the log2(chunk) of an offset within its chunk) | value codes
 bit-packed at `bits` bits (ascending position). Header {n, chunk, bits, sent}. A code c in [0, 2^bits)
 decodes to (2c - L) / L x scale, L = 2^bits - 1: the levels are odd multiples of scale / L, no zero level — a
-zero is simply not sent (hence the counts). The shards sum the decoded contributions into fp32 (index_add_).
+zero is simply not sent (hence `sent`). The shards sum the decoded contributions into fp32 (index_add_).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from compression.codecs.common import flat_float, make_payload
 from compression.codecs.sparse import SparseCodec
 from compression.wire import check_payload, header_int, new_body, read_body
 
-MAX_CHUNK = (1 << 15) - 1
+MAX_CHUNK = (1 << 15) - 1    # one scale per chunk: larger chunks only coarsen the levels
 BITS = (2, 4)
 
 

@@ -278,7 +278,7 @@ def header(report: dict) -> str:
         lines.append(f"         measured one TCP stream worker->worker: {net['measured_link_gbit_s']:.3f} Gbit/s")
     lines.append(f"host: {report['host_cpus']} CPU cores shared by all processes "
                  f"({report['workers']} workers + {report['servers']} shards in ps modes"
-                 f"{'; --colocate: shards and Lighthouse on the workers nodes, W links' if net.get('colocated') else ''})")
+                 f"{'; --colocate: shards and Lighthouse on the worker nodes, W links' if net.get('colocated') else ''})")
     lines += [f"NOTE: {n}" for n in net.get("notes", [])]
     return "\n".join(lines)
 
