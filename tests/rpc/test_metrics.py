@@ -332,3 +332,6 @@ def test_local_update_rounds_report_the_share_of_their_deltas_the_payloads_carri
     for r, (m, res) in enumerate(zip(c.worker_metrics, results)):
         assert lo < _v(m, "deltaps_worker_payload_energy_share", worker=str(r)) <= hi
         assert lo < res["payload_energy_share"] <= hi
+        # bench's pulled per step counts the loop's pulls only: the initial full fp32 pull (and the final one) apart
+        assert 0 < res["loop_bytes_pulled_wire"] <= res["steady_bytes_moved"]
+        assert res["bytes_pulled_wire"] - res["loop_bytes_pulled_wire"] >= 4 * res["model_params"]

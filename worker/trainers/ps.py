@@ -166,6 +166,9 @@ class ParameterServer(Strategy):
         if self.quorum and run.steps_to_target is not None and opt.client.job_stop is None:
             opt.client.stop(run.steps_to_target, run.time_to_target_s, f"worker {self.rank} reached the target")
         steady = self._steady_rounds() if opt.local else {}
+        # pulled in the loop: neither the initial full pull nor the end-of-job one below (bench's pulled per step)
+        loop_pulled = opt.client.stats.snapshot().get("bytes_pulled_wire", 0) - \
+            self.stats_after_setup.get("bytes_pulled_wire", 0)
         if self.quorum and opt.client.job_stop is not None and opt.client.job_stop["worker_id"] == self.rank:
             # the judge keeps the global model it judged: under quorum the keys' rounds close independently, so
             # the shards' keys may be a round apart at the stop (docs/local-updates.md#quorum-rounds)
@@ -176,7 +179,8 @@ class ParameterServer(Strategy):
         note = {"optimizer_note": f"server {self.cfg.optimizer} on every parameter, table included"}
         return dict(**comm_counters(opt.client.stats.snapshot()), codec=self.cfg.codec, final_codec=opt.client.codec,
                     codec_switches=opt.codec_switches, codec_fallbacks=self.fallbacks,
-                    extras={**steady, **(note if self.workload.has_embeddings else {})})
+                    extras={**steady, "loop_bytes_pulled_wire": int(loop_pulled),
+                            **(note if self.workload.has_embeddings else {})})
 
     def _steady_rounds(self) -> dict:
         """A local-update job's bytes pushed + pulled over the rounds the loop completed, and how many full rounds
