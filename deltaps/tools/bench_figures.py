@@ -28,7 +28,7 @@ def mode_figures(cfg, results: list[dict], launch_wall_s: float, before: dict, a
         "wait_s_per_step": s["wait_s"] / steps,
         # application-level bytes one worker sends / receives per step (allreduce: 2(p-1)/p x gradient bytes)
         "bytes_per_step": s["bytes_pushed_wire"] / W / steps,
-        "bytes_pulled_per_step": sum(r.get("loop_bytes_pulled_wire", r["bytes_pulled_wire"]) for r in results) / W / steps,
+        "bytes_pulled_per_step": sum(r["loop_bytes_pulled_wire"] for r in results) / W / steps,
         "bytes_per_round_fraction": bench_protocol.bytes_per_round_fraction(results, s["model_params"]),
         "compression_ratio": s["compression_ratio"],
         "final_test_accuracy": s["final_test_accuracy"], "final_train_loss": s["final_train_loss"],

@@ -22,9 +22,9 @@ SHARED = ("worker.trainers.base", "worker.trainers.collective", "worker.trainers
 
 # The result keys each mode wrote before the RunResult refactor: none may disappear.
 COMMON = {"rank", "steps", "wall_s", "mean_step_s", "median_step_s", "compute_s", "comm_s", "wait_s",
-          "bytes_pushed_wire", "bytes_pushed_raw", "bytes_pulled_wire", "push_rpcs", "pull_rpcs", "push_pull_rpcs",
-          "final_test_accuracy", "final_train_loss", "samples_per_s", "model_params", "losses", "codec",
-          "final_codec", "codec_switches", "codec_fallbacks", "bytes_pushed_wire_steps"}
+          "bytes_pushed_wire", "bytes_pushed_raw", "bytes_pulled_wire", "loop_bytes_pulled_wire", "push_rpcs",
+          "pull_rpcs", "push_pull_rpcs", "final_test_accuracy", "final_train_loss", "samples_per_s", "model_params",
+          "losses", "codec", "final_codec", "codec_switches", "codec_fallbacks", "bytes_pushed_wire_steps"}
 CTR = COMMON | {"final_test_auc", "final_test_loss", "oracle_auc", "oracle_loss", "workload"}
 EXPECTED = {
     "ps": COMMON | {"server_stats"},
@@ -68,8 +68,10 @@ def test_step_split_compute_comm_wait():
 
 def test_to_dict_has_the_common_keys_and_extras():
     assert set(COMMON_KEYS) == COMMON
-    d = _result(extras={"backend": "gloo"}).to_dict()
+    d = _result(extras={"backend": "gloo"}, bytes_pulled_wire=96).to_dict()
     assert set(d) == COMMON | {"backend"} and "server_stats" not in d
+    assert d["loop_bytes_pulled_wire"] == 96                   # no pulls outside the loop unless a mode says so
+    assert _result(bytes_pulled_wire=96, loop_bytes_pulled_wire=32).to_dict()["loop_bytes_pulled_wire"] == 32
     d = _result(losses=[1.0] * 30, server_stats=[{"version": 3}]).to_dict()
     assert d["server_stats"] == [{"version": 3}] and d["final_train_loss"] == 1.0
     with pytest.raises(ValueError, match="final_train_loss"):

@@ -40,8 +40,8 @@ FINAL_LOSS_WINDOW = 20     # final_train_loss = mean of the last this-many logge
 # Keys every mode's result dict has (to_dict); `server_stats` is added on rank 0 of modes with shards.
 COMMON_KEYS = (
     "rank", "steps", "wall_s", "mean_step_s", "median_step_s", "compute_s", "comm_s", "wait_s",
-    "bytes_pushed_wire", "bytes_pushed_raw", "bytes_pulled_wire", "push_rpcs", "pull_rpcs", "push_pull_rpcs",
-    "final_test_accuracy", "final_train_loss", "samples_per_s", "model_params", "losses",
+    "bytes_pushed_wire", "bytes_pushed_raw", "bytes_pulled_wire", "loop_bytes_pulled_wire", "push_rpcs", "pull_rpcs",
+    "push_pull_rpcs", "final_test_accuracy", "final_train_loss", "samples_per_s", "model_params", "losses",
     "codec", "final_codec", "codec_switches", "codec_fallbacks", "bytes_pushed_wire_steps",
 )
 
@@ -139,6 +139,7 @@ class RunResult:
     bytes_pushed_wire: int = 0
     bytes_pushed_raw: int = 0
     bytes_pulled_wire: int = 0
+    loop_bytes_pulled_wire: int | None = None   # of which the training loop's (PS: no initial / final full pull)
     push_rpcs: int = 0
     pull_rpcs: int = 0
     push_pull_rpcs: int = 0
@@ -148,6 +149,10 @@ class RunResult:
     codec_fallbacks: list = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
     server_stats: list | None = None   # rank 0 of modes with shards
+
+    def __post_init__(self):
+        if self.loop_bytes_pulled_wire is None:     # modes without pulls outside their loop
+            self.loop_bytes_pulled_wire = self.bytes_pulled_wire
 
     @property
     def total_step_s(self) -> float:

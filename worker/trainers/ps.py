@@ -177,10 +177,10 @@ class ParameterServer(Strategy):
         else:   # a job an evaluation stopped keeps the shards' model it evaluated (no flush of inner steps)
             adopt_server_params(opt, flush=run.stopped_at is None)
         note = {"optimizer_note": f"server {self.cfg.optimizer} on every parameter, table included"}
-        return dict(**comm_counters(opt.client.stats.snapshot()), codec=self.cfg.codec, final_codec=opt.client.codec,
+        return dict(**comm_counters(opt.client.stats.snapshot()), loop_bytes_pulled_wire=int(loop_pulled),
+                    codec=self.cfg.codec, final_codec=opt.client.codec,
                     codec_switches=opt.codec_switches, codec_fallbacks=self.fallbacks,
-                    extras={**steady, "loop_bytes_pulled_wire": int(loop_pulled),
-                            **(note if self.workload.has_embeddings else {})})
+                    extras={**steady, **(note if self.workload.has_embeddings else {})})
 
     def _steady_rounds(self) -> dict:
         """A local-update job's bytes pushed + pulled over the rounds the loop completed, and how many full rounds
