@@ -128,6 +128,9 @@ class ChunkTopKCodec(SparseCodec):
         bits = header_int(payload, "bits", 2, 4)
         if bits not in BITS:
             raise CodecError(f"chunktopk: header bits={bits} is not one of {BITS}")
+        if "sent" not in payload.header:
+            raise CodecError("chunktopk: no 'sent' in the header: a payload of the format before Elias-Fano positions "
+                             "(an older deltaps sent it); run one deltaps version on workers and shards")
         sent = header_int(payload, "sent", 0, n)
         scales, low_sec, high_sec, code_sec = read_body(payload, _sections(n, c, bits, sent))
         flat = torch.from_numpy(wire.ef_decode(self.name, low_sec, high_sec, sent, n))

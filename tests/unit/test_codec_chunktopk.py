@@ -157,6 +157,9 @@ def test_corrupt_positions_and_headers_are_codec_errors():
             decode_payload(Payload(p.codec, p.shape, p.dtype, p.data, {**p.header, **header}))
     with pytest.raises(CodecError, match="truncated or corrupt"):
         decode_payload(Payload(p.codec, p.shape, p.dtype, bytes(p.data)[:-1], p.header))
+    older = {k: v for k, v in p.header.items() if k != "sent"}      # an older sender's header: no "sent"
+    with pytest.raises(CodecError, match="format before Elias-Fano positions"):
+        decode_payload(Payload(p.codec, p.shape, p.dtype, p.data, older))
 
 
 def test_error_feedback_loses_nothing_over_rounds():
