@@ -55,7 +55,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from deltaps.optimizer_config import PULL_RESIDUALS
+from deltaps.optimizer_config import OUTER_OPTIMIZERS, PULL_RESIDUALS
 from deltaps.sync import parse_sync
 
 __all__ = ["MODES", "FAMILIES", "MODE_FORMS", "HOOK_FORMS", "ModeSpec", "parse_mode_spec", "split_mode_specs",
@@ -215,8 +215,9 @@ def _outer_fields(arg: str, text: str) -> tuple[str, dict]:
             fields[OUTER_KEYS[key]] = value if key in ("outer", "pull_residual") else float(value)
         except ValueError:
             raise ValueError(f"mode {text!r}: {key} must be a number, got {value!r}") from None
-        if key == "outer" and value not in ("avg", "sgd", "nesterov"):
-            raise ValueError(f"mode {text!r}: outer must be avg, sgd or nesterov, got {value!r}")
+        if key == "outer" and value not in OUTER_OPTIMIZERS:
+            raise ValueError(f"mode {text!r}: outer must be {', '.join(OUTER_OPTIMIZERS[:-1])} or {OUTER_OPTIMIZERS[-1]}, "
+                             f"got {value!r}")
         if key == "pull_residual" and value not in PULL_RESIDUALS:
             raise ValueError(f"mode {text!r}: pull_residual must be {' or '.join(PULL_RESIDUALS)}, got {value!r}")
     return OUTER_ITEM.sub("", arg).lstrip(":,"), fields

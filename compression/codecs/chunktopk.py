@@ -19,7 +19,7 @@ import torch
 from compression import wire
 from compression.base import CodecError, Payload, register
 from compression.codecs.common import flat_float, make_payload
-from compression.codecs.sparse import SparseCodec
+from compression.codecs.sparse import SparseCodec, scatter_add
 from compression.wire import check_payload, header_int, new_body, read_body
 
 MAX_CHUNK = (1 << 15) - 1    # one scale per chunk: larger chunks only coarsen the levels
@@ -68,8 +68,7 @@ class ChunkTopKCodec(SparseCodec):
     def compress_leaving(self, tensor: torch.Tensor, residual: torch.Tensor, *, seed: int = 0,
                          key: str | None = None) -> Payload:
         payload, flat, values = self._encode(tensor)     # the sent values as decoded, without parsing the payload
-        dst = residual.view(-1)
-        dst.index_add_(0, flat.to(dst.device), values.to(dst.device, dst.dtype), alpha=-1.0)
+        scatter_add(residual, flat, values, alpha=-1.0)
         return payload
 
     def _encode(self, tensor: torch.Tensor) -> tuple[Payload, torch.Tensor, torch.Tensor]:

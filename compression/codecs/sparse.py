@@ -143,11 +143,16 @@ class SparseCodec(Codec):
 
     def accumulate(self, payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:
         n, idx, vals = self._read(payload)
-        dst = out.view(-1)
-        if dst.numel() != n:
-            raise CodecError(f"{payload.codec}: accumulate into {dst.numel()} elements, payload has {n}")
-        dst.index_add_(0, idx if dst.device.type == "cpu" else idx.to(dst.device),
-                       vals.to(dst.device, dst.dtype), alpha=alpha)
+        if out.numel() != n:
+            raise CodecError(f"{payload.codec}: accumulate into {out.numel()} elements, payload has {n}")
+        scatter_add(out, idx, vals, alpha)
+
+
+def scatter_add(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, alpha: float = 1.0) -> None:
+    """out.view(-1)[idx] += alpha * vals, where `out` lives (a shard's sum, a worker's error-feedback residual)."""
+    dst = out.view(-1)
+    dst.index_add_(0, idx if dst.device.type == "cpu" else idx.to(dst.device), vals.to(dst.device, dst.dtype),
+                   alpha=alpha)
 
 
 @register("topk")
