@@ -40,6 +40,7 @@ class Codec:
     lossy = True
     default_error_feedback = False
     stateful = False    # keeps per-key state on the sender (compress(..., key=...)); see DGC. Not a pull codec
+    matrix_keys = False  # compresses a matrix key as (rows, cols) (lowrank): the layout cuts matrices at whole rows
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
         raise NotImplementedError

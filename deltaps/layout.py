@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 DEFAULT_CHUNK_BYTES = 4 << 20      # a key holds at most this many bytes
@@ -35,6 +36,7 @@ class Key:
     dtype: str
     shard: int
     role: str = PARAM   # PARAM or one of BUFFER_ROLES' values
+    cols: int = 0       # > 0: a matrix key, whole rows of `cols` values (a matrix codec's; 0: flat)
 
     @property
     def is_buffer(self) -> bool:
@@ -45,9 +47,12 @@ def itemsize(dtype: str) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
 
 
-def split_param(name: str, numel: int, dtype: str, chunk_bytes: int) -> list[tuple[str, int, int]]:
-    """(key, offset, numel) chunks of at most chunk_bytes each."""
+def split_param(name: str, numel: int, dtype: str, chunk_bytes: int, cols: int = 0) -> list[tuple[str, int, int]]:
+    """(key, offset, numel) chunks of at most chunk_bytes each; cols > 0: whole rows of cols values (one row at
+    least)."""
     per = max(1, chunk_bytes // itemsize(dtype))
+    if cols > 0:
+        per = max(cols, per // cols * cols)
     n_chunks = max(1, -(-numel // per))
     return [(f"{name}#{i}", i * per, min(per, numel - i * per) if numel else 0) for i in range(n_chunks)]
 
@@ -65,13 +70,21 @@ def role_for_buffers(mode: str) -> str | None:
     return BUFFER_ROLES.get(mode)
 
 
+def matrix_cols(shape: tuple[int, ...]) -> int:
+    """The columns of a parameter's matrix view (PowerSGD's: dim 0 by the rest); 0 for a 1-D one."""
+    return 0 if len(shape) < 2 or not shape[0] else math.prod(shape) // shape[0]
+
+
 def build_layout(params: list[tuple[str, int, str]], num_shards: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffers: list[tuple[str, int]] = (),
-                 buffer_role: str = BUFFER_ROLES["broadcast"]) -> list[Key]:
+                 buffer_role: str = BUFFER_ROLES["broadcast"], cols: dict[str, int] | None = None) -> list[Key]:
     """params: (name, numel, dtype) in model order; buffers: (name, numel) in model order, keys of role
     buffer_role after the parameters' (float32). Parameters are cut into keys of balanced_chunk_bytes; greedy
     size balancing: largest key first onto the least-loaded shard (ties: lowest shard id). Returns keys in
-    model order."""
+    model order. cols (a matrix codec's job): parameter -> its matrix view's columns (matrix_cols); such a
+    parameter is cut at chunk_bytes only, at whole rows, never for balance — a factor pair costs (rows + cols) x
+    rank, so every cut would pay for the columns again."""
+    cols = {name: c for name, c in (cols or {}).items() if c > 0}
     if num_shards < 1:
         raise ValueError("num_shards must be >= 1")
     if buffers and buffer_role not in BUFFER_ROLES.values():
@@ -84,7 +97,8 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
     key_bytes = balanced_chunk_bytes(params, num_shards, chunk_bytes)
     chunks = [(k, name, off, n, dtype, role)
               for name, numel, dtype, role in entries
-              for k, off, n in split_param(name, numel, dtype, key_bytes if role == PARAM else chunk_bytes)]
+              for k, off, n in split_param(name, numel, dtype, chunk_bytes if role != PARAM or name in cols
+                                           else key_bytes, cols.get(name, 0) if role == PARAM else 0)]
     load = [0] * num_shards
     shard_of: dict[str, int] = {}
     order = sorted(range(len(chunks)), key=lambda i: (-chunks[i][3] * itemsize(chunks[i][4]), i))
@@ -92,13 +106,15 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
         s = min(range(num_shards), key=lambda j: (load[j], j))
         shard_of[chunks[i][0]] = s
         load[s] += max(1, chunks[i][3] * itemsize(chunks[i][4]))
-    return [Key(k, name, off, n, dtype, shard_of[k], role) for k, name, off, n, dtype, role in chunks]
+    return [Key(k, name, off, n, dtype, shard_of[k], role, cols.get(name, 0) if role == PARAM else 0)
+            for k, name, off, n, dtype, role in chunks]
 
 
 def layout_digest(layout: list[Key], num_shards: int) -> str:
-    """sha256 of the layout; a buffer key's role is part of it (parameter-only layouts digest as before)."""
+    """sha256 of the layout; a buffer key's role and a matrix key's cols are part of it (flat parameter-only layouts
+    digest as before)."""
     blob = json.dumps([num_shards] + [[k.key, k.offset, k.numel, k.dtype, k.shard] + ([k.role] if k.is_buffer else [])
-                                      for k in layout])
+                                      + ([{"cols": k.cols}] if k.cols else []) for k in layout])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

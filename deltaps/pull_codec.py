@@ -19,7 +19,7 @@ FULL, DELTA, UNCHANGED = 0, 1, 2
 # 40 steps, lost 7.8 points with topk pushes + sign pulls vs +0.3 with int8 pulls.
 AUTO = {"none": "none", "fp16": "fp16", "bf16": "bf16"}
 # a round codec (local-update jobs) pulls as it pushes (what the view leaves behind: resolve_pull_residual)
-ROUND_CODECS = ("chunktopk",)
+ROUND_CODECS = ("chunktopk", "lowrank")
 
 
 def resolve_pull_residual(pull_residual: str, pull_spec: str, local_updates: bool = True) -> str:
@@ -31,6 +31,11 @@ def resolve_pull_residual(pull_residual: str, pull_spec: str, local_updates: boo
     if pull_residual != "auto":
         return pull_residual
     return "drop" if local_updates and parse_spec(pull_spec or "none")[0] in ROUND_CODECS else "carry"
+
+
+def matrix_keys(push_codec: str, pull_codec: str) -> bool:
+    """Whether a job's layout keeps matrices as whole-row keys: its push or pull codec compresses matrices as such."""
+    return any(get_codec(spec).matrix_keys for spec in (push_codec or "none", resolve_pull_codec(pull_codec, push_codec)))
 
 
 def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:

@@ -29,7 +29,10 @@ def key_from_spec(k) -> Key:
     if role != PARAM and role not in BUFFER_ROLES.values():
         raise ShardError("INVALID_ARGUMENT", f"key {k.key!r}: unknown role {role!r} (want {PARAM} or one of "
                                              f"{', '.join(BUFFER_ROLES.values())})")
-    return Key(k.key, k.param, k.offset, k.numel, k.dtype, k.shard, role)
+    if k.cols < 0 or (k.cols and (role != PARAM or k.numel % k.cols)):
+        raise ShardError("INVALID_ARGUMENT", f"key {k.key!r}: cols={k.cols} must be 0 or, for a parameter, divide its "
+                                             f"{k.numel} elements (whole rows of a matrix)")
+    return Key(k.key, k.param, k.offset, k.numel, k.dtype, k.shard, role, k.cols)
 
 
 def _add(out: torch.Tensor, g, current: torch.Tensor) -> None:

@@ -132,7 +132,7 @@ class Shard(Membership):
                 ks.value.copy_(v.view(-1).to(torch.float32))
                 if not ks.spec.is_buffer:       # buffers: assigned, not optimised, pulled exactly (ps/buffers.py)
                     ks.opt = KeyOptimizer(ks.value, job.optimizer)
-                    ks.view = PullView(self.pull_spec, ks.value) if self.pull_spec != "none" else None
+                    ks.view = ks.pull_view(self.pull_spec)
                 ks.initialized = True
                 if self.rounds is not None:
                     self.rounds.initialized(ks)    # the job's first round opens now
@@ -353,7 +353,7 @@ class Shard(Membership):
                         if pull_spec == "none":
                             ks.view, ks.exact_since = None, ks.version
                         elif ks.view is None:
-                            ks.view = PullView(pull_spec, ks.value) if ks.initialized and not ks.spec.is_buffer else None
+                            ks.view = ks.pull_view(pull_spec) if ks.initialized else None
                         else:   # keep the shared view; only the delta codec changes
                             ks.view.codec = PullView(pull_spec, ks.value[:0]).codec
                 self.pull_spec = pull_spec

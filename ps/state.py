@@ -69,10 +69,17 @@ class KeyState:
     view: PullView | None = None                     # compressed-pull view (None: pulls send values)
     exact_since: int = -1                            # version at which the last view was dropped
 
+    def pull_view(self, pull_spec: str, value: torch.Tensor | None = None) -> PullView | None:
+        """A shared pull view of this key's value (or `value`): a matrix key's deltas compress as its rows; None for a
+        buffer key (pulled exactly) or pull codec 'none'."""
+        if pull_spec == "none" or self.spec.is_buffer:
+            return None
+        return PullView(pull_spec, self.value if value is None else value, self.spec.cols)
+
     def state_dict(self) -> dict:
         """A copy of everything that must survive a restart (the caller holds self.cond)."""
         s = self.spec
-        return {"spec": [s.key, s.param, s.offset, s.numel, s.dtype, s.shard, s.role],
+        return {"spec": [s.key, s.param, s.offset, s.numel, s.dtype, s.shard, s.role, s.cols],
                 "value": self.value.clone(), "initialized": self.initialized, "version": self.version,
                 "pushed": dict(self.pushed), "agg": None if self.agg is None else self.agg.clone(),
                 "agg_from": sorted(self.agg_from), "agg_weight": self.agg_weight,
@@ -92,6 +99,6 @@ class KeyState:
             if d["opt"] is not None:
                 ks.opt.load_state_dict(d["opt"])
         if d.get("view") is not None and pull_spec != "none":
-            ks.view = PullView(pull_spec, d["view"])
+            ks.view = ks.pull_view(pull_spec, d["view"])
         ks.exact_since = d.get("exact_since", -1)
         return ks

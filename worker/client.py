@@ -21,11 +21,12 @@ from deltaps.layout import (
     check_message_limits,
     fused_message_bytes,
     layout_digest,
+    matrix_cols,
     message_batches,
     role_for_buffers,
 )
 from deltaps.optimizer_config import OptimizerConfig
-from deltaps.pull_codec import DELTA, FULL
+from deltaps.pull_codec import DELTA, FULL, matrix_keys
 from deltaps.sync import parse_sync
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, client_channels
 from deltaps.wire import accumulate_payload_into, chunk_from_tensor, fill_chunk, read_chunk
@@ -114,7 +115,8 @@ class PSClient:
         params = [(n, t.numel(), dtype_name(t.dtype)) for n, t in named]
         role = role_for_buffers(buffer_sync)
         bufs = [(n, t.numel()) for n, t in buffers] if role else []
-        self.layout = build_layout(params, len(self.servers), self.chunk_bytes, bufs, role)
+        cols = {n: matrix_cols(tuple(t.shape)) for n, t in named} if matrix_keys(self.codec, self.pull_codec) else None
+        self.layout = build_layout(params, len(self.servers), self.chunk_bytes, bufs, role, cols)
         self.by_param = defaultdict(list)
         for k in self.layout:
             self.by_param[k.param].append(k)
@@ -124,7 +126,7 @@ class PSClient:
 
         def register(shard):
             keys = [pb.KeySpec(key=k.key, param=k.param, offset=k.offset, numel=k.numel, dtype=k.dtype, shard=k.shard,
-                               role=k.role) for k in self.layout if k.shard == shard]
+                               role=k.role, cols=k.cols) for k in self.layout if k.shard == shard]
             req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
                                      world_size=self.world_size, num_shards=len(self.servers), sync=str(self.sync),
                                      optimizer=opt_msg, keys=keys, layout_digest=digest, codec=self.codec,
@@ -181,6 +183,8 @@ class PSClient:
     def _encode(self, k: Key, t: torch.Tensor, step: int) -> Payload:
         if k.is_buffer:     # buffer values are assigned on the shard: never compressed, always float32
             return self._raw.compress(t.to(torch.float32))
+        if k.cols:      # a matrix key: the codec sees its (rows, cols) view (lowrank)
+            t = t.view(-1, k.cols)
         return self.compressor.compress(k.key, t, step=step, seed=zlib.crc32(f"{k.key}/{step}/{self.worker_id}".encode()))
 
     def _fill_push(self, req, batch: list[Key], grads: dict[str, torch.Tensor], step: int,

@@ -18,7 +18,7 @@ import torch
 
 from compression import wire
 from compression.base import CodecError, Payload, register
-from compression.codecs.common import flat_float, make_payload
+from compression.codecs.common import flat_float, make_payload, odd_level_codes, odd_level_values
 from compression.codecs.sparse import SparseCodec, scatter_add
 from compression.wire import check_payload, header_int, new_body, read_body
 
@@ -28,12 +28,6 @@ BITS = (2, 4)
 
 def _sections(n: int, chunk: int, bits: int, sent: int):
     return [(torch.float32, -(-n // chunk)), *wire.ef_sections(n, sent), (torch.uint8, wire.packed_nbytes(sent, bits))]
-
-
-def _values(codes: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
-    """The float32 values codes on `levels` odd levels of their chunks' scales stand for (encoder and decoder alike:
-    the worker's error feedback subtracts exactly what the shards add)."""
-    return (2 * codes - levels).to(torch.float32) / levels * scales
 
 
 @register("chunktopk")
@@ -88,7 +82,7 @@ class ChunkTopKCodec(SparseCodec):
         c_of = flat // c
         levels = (1 << self.bits) - 1
         s = scale[c_of]
-        codes = torch.round((grid.view(-1)[flat] / torch.where(s > 0, s, 1.0) * levels + levels) / 2).clamp_(0, levels)
+        codes = odd_level_codes(grid.view(-1)[flat], s, levels)
         sent = int(flat.numel())
         body, (scales, low_sec, high_sec, code_sec) = new_body(_sections(n, c, self.bits, sent))
         scales.copy_(scale)
@@ -97,7 +91,7 @@ class ChunkTopKCodec(SparseCodec):
         high_sec.copy_(torch.from_numpy(highs))
         code_sec.copy_(torch.from_numpy(wire.bitpack(codes.to(torch.int64).numpy().astype(np.uint64), self.bits)))
         payload = make_payload(self.name, tensor, body, {"n": n, "chunk": c, "bits": self.bits, "sent": sent})
-        return payload, flat, _values(codes, s, levels)
+        return payload, flat, odd_level_values(codes, s, levels)
 
     @staticmethod
     def _select(absolute: torch.Tensor, k_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,4 +128,4 @@ class ChunkTopKCodec(SparseCodec):
         scales, low_sec, high_sec, code_sec = read_body(payload, _sections(n, c, bits, sent))
         flat = torch.from_numpy(wire.ef_decode(self.name, low_sec, high_sec, sent, n))
         codes = torch.from_numpy(wire.bitunpack(code_sec.numpy(), sent, bits).astype(np.int64))
-        return n, flat, _values(codes, scales[flat // c], (1 << bits) - 1)
+        return n, flat, odd_level_values(codes, scales[flat // c], (1 << bits) - 1)

@@ -104,3 +104,15 @@ def det_l2norm(x: torch.Tensor) -> float:
         return m
     c = float(np.float32(2.0 ** 12) / np.float32(m))
     return float(np.sqrt(fixed_sum(x, c, 2))) / c
+
+
+def odd_level_codes(x: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """Codes in [0, levels] of x on `levels` odd multiples of scale / levels (no zero level; a zero scale gives the
+    middle codes, which decode to +-0): round((x / scale x L + L) / 2)."""
+    return torch.round((x / torch.where(scales > 0, scales, 1.0) * levels + levels) / 2).clamp_(0, levels)
+
+
+def odd_level_values(codes: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """The float32 values odd_level_codes stand for (encoder and decoder alike: a worker's error feedback subtracts
+    exactly what the shards add)."""
+    return (2 * codes - levels).to(torch.float32) / levels * scales

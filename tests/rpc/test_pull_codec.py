@@ -144,3 +144,38 @@ def test_pull_residual_is_checked_where_it_is_set():
     assert resolve_pull_residual("auto", "int8") == "carry" and resolve_pull_residual("auto", "none") == "carry"
     assert resolve_pull_residual("auto", "chunktopk", local_updates=False) == "carry"     # gradient steps
     assert resolve_pull_residual("carry", "chunktopk") == "carry" and resolve_pull_residual("drop", "int8") == "drop"
+
+
+def test_a_matrix_codec_gets_whole_row_keys_on_both_sides_of_the_wire(cluster_factory):
+    """lowrank: the layout cuts the (100, 50) weight at whole rows (8 KiB keys: 40 rows), the shards learn each key's
+    cols from its KeySpec, compress their pull deltas as (rows, 50) factor pairs, and every worker ends on the same
+    view; a KeySpec whose cols do not divide its elements is refused by name."""
+    from deltaps.errors import ShardError
+    from deltaps.optimizer_config import outer_optimizer_config
+    from protos import pb
+    from ps.buffers import key_from_spec
+    c = cluster_factory(2)
+    cls = [client(c.addrs, r, 2, chunk_bytes=8192, codec="lowrank:rank=4,bits=8", local_steps=1,
+                  opt=outer_optimizer_config("avg")) for r in range(2)]
+    for cl in cls:
+        cl.setup([("w", torch.randn(100, 50, generator=torch.Generator().manual_seed(0))), ("b", torch.zeros(300))])
+    assert [(k.numel, k.cols) for k in cls[0].by_param["w"]] == [(2000, 50), (2000, 50), (1000, 50)]
+    assert [k.cols for k in cls[0].by_param["b"]] == [0]
+    views = [cl.pull(out=None, delta=True) for cl in cls]
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        for cl in cls:
+            cl.push({"w": torch.randn(100, 50, generator=g), "b": torch.randn(300, generator=g)}, step)
+        for cl, v in zip(cls, views):
+            cl.pull(min_version=step + 1, out=v, delta=True)
+    for k in cls[0].by_param["w"]:
+        ks = c.shards[k.shard].keys[k.key]
+        assert ks.spec.cols == 50 and ks.view.delta.header["form"] == "factors"
+        assert ks.view.delta.shape == (k.numel // 50, 50)
+    for n in ("w", "b"):
+        assert torch.equal(views[0][n], views[1][n])
+    for cl in cls:
+        cl.close()
+    with pytest.raises(ShardError, match="cols=7 must be 0 or, for a parameter, divide its 100 elements") as e:
+        key_from_spec(pb.KeySpec(key="w#0", param="w", numel=100, dtype="float32", cols=7))
+    assert e.value.code == "INVALID_ARGUMENT"

@@ -246,7 +246,7 @@ def _run(addr, steps, crash_at=None, srv=None, sync="bsp", codec="none"):
     return final, sessions
 
 
-@pytest.mark.parametrize("codec", ["none", "chunktopk:density=0.05,chunk=64"])   # + a round codec's sparse sums
+@pytest.mark.parametrize("codec", ["none", "chunktopk:density=0.05,chunk=64", "lowrank:rank=4,bits=8"])   # + round codecs
 def test_shard_crash_after_acked_pushes_is_replayed_exactly_once(tmp_path, codec):
     """Checkpoint every 4 steps; crash at step 10 (pushes of steps 8-9 acknowledged but only in memory)."""
     ref_srv = _Restartable(tmp_path / "ref", 4)
