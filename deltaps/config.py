@@ -89,8 +89,8 @@ class TrainConfig:
         "auto",
         "local-update jobs with a lossy pull codec: carry (what a pull did not carry stays in the shards' model and "
         "goes down later: error feedback on the down-link), drop (each outer step starts from the model the "
-        "workers hold; the outer momentum carries the dropped part's direction) or auto (drop under a round codec's "
-        "pull, chunktopk; else carry)")
+        "workers hold; the outer momentum carries the dropped part's direction) or auto (drop under chunktopk's "
+        "pulls; else carry: measured per codec, deltaps/pull_codec.py)")
     torchft_algorithm: str = option(
         "diloco",
         "--mode torchft: torchft's DiLoCo (the outer optimizer on the averaged pseudo-gradient; Streaming DiLoCo with "

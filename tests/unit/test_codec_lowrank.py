@@ -133,6 +133,6 @@ def test_corrupt_payloads_are_codec_errors():
 
 def test_a_round_codec_that_wants_matrix_keys():
     assert resolve_pull_codec("auto", "lowrank:rank=8") == "lowrank:rank=8,bits=4,iters=2"
-    assert resolve_pull_residual("auto", "lowrank:rank=8,bits=4,iters=2") == "drop"
+    assert resolve_pull_residual("auto", "lowrank:rank=8,bits=4,iters=2") == "carry"     # measured: carry pays here
     assert matrix_keys("lowrank", "auto") and matrix_keys("int8", "lowrank:rank=4")
     assert not matrix_keys("chunktopk", "auto") and not matrix_keys("none", "none")
