@@ -40,7 +40,9 @@ class Codec:
     lossy = True
     default_error_feedback = False
     stateful = False    # keeps per-key state on the sender (compress(..., key=...)); see DGC. Not a pull codec
-    matrix_keys = False  # compresses a matrix key as (rows, cols) (lowrank): the layout cuts matrices at whole rows
+    # "whole" | "balanced": compresses a matrix key as (rows, cols) (lowrank), so the layout cuts matrices at whole rows:
+    # only past the key size (whole) or also into the shards' fair shares (balanced); "": flat keys
+    matrix_keys = ""
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
         raise NotImplementedError

@@ -77,13 +77,14 @@ def matrix_cols(shape: tuple[int, ...]) -> int:
 
 def build_layout(params: list[tuple[str, int, str]], num_shards: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffers: list[tuple[str, int]] = (),
-                 buffer_role: str = BUFFER_ROLES["broadcast"], cols: dict[str, int] | None = None) -> list[Key]:
+                 buffer_role: str = BUFFER_ROLES["broadcast"], cols: dict[str, int] | None = None,
+                 balance_matrices: bool = False) -> list[Key]:
     """params: (name, numel, dtype) in model order; buffers: (name, numel) in model order, keys of role
     buffer_role after the parameters' (float32). Parameters are cut into keys of balanced_chunk_bytes; greedy
     size balancing: largest key first onto the least-loaded shard (ties: lowest shard id). Returns keys in
     model order. cols (a matrix codec's job): parameter -> its matrix view's columns (matrix_cols); such a
-    parameter is cut at chunk_bytes only, at whole rows, never for balance — a factor pair costs (rows + cols) x
-    rank, so every cut would pay for the columns again."""
+    parameter is cut at whole rows, at chunk_bytes only (a factor pair costs (rows + cols) x rank, so every cut pays
+    for the columns again) or, balance_matrices, into balanced keys as a flat one."""
     cols = {name: c for name, c in (cols or {}).items() if c > 0}
     if num_shards < 1:
         raise ValueError("num_shards must be >= 1")
@@ -97,7 +98,8 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
     key_bytes = balanced_chunk_bytes(params, num_shards, chunk_bytes)
     chunks = [(k, name, off, n, dtype, role)
               for name, numel, dtype, role in entries
-              for k, off, n in split_param(name, numel, dtype, chunk_bytes if role != PARAM or name in cols
+              for k, off, n in split_param(name, numel, dtype,
+                                           chunk_bytes if role != PARAM or (name in cols and not balance_matrices)
                                            else key_bytes, cols.get(name, 0) if role == PARAM else 0)]
     load = [0] * num_shards
     shard_of: dict[str, int] = {}

@@ -36,9 +36,10 @@ def resolve_pull_residual(pull_residual: str, pull_spec: str, local_updates: boo
     return "drop" if local_updates and parse_spec(pull_spec or "none")[0] in DROP_UNDER else "carry"
 
 
-def matrix_keys(push_codec: str, pull_codec: str) -> bool:
-    """Whether a job's layout keeps matrices as whole-row keys: its push or pull codec compresses matrices as such."""
-    return any(get_codec(spec).matrix_keys for spec in (push_codec or "none", resolve_pull_codec(pull_codec, push_codec)))
+def matrix_keys(push_codec: str, pull_codec: str) -> str:
+    """How a job's layout cuts matrices (Codec.matrix_keys): the push codec's way, else the pull codec's; "": flat."""
+    push, pull = get_codec(push_codec or "none"), get_codec(resolve_pull_codec(pull_codec, push_codec))
+    return push.matrix_keys or pull.matrix_keys
 
 
 def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:

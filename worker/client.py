@@ -115,8 +115,9 @@ class PSClient:
         params = [(n, t.numel(), dtype_name(t.dtype)) for n, t in named]
         role = role_for_buffers(buffer_sync)
         bufs = [(n, t.numel()) for n, t in buffers] if role else []
-        cols = {n: matrix_cols(tuple(t.shape)) for n, t in named} if matrix_keys(self.codec, self.pull_codec) else None
-        self.layout = build_layout(params, len(self.servers), self.chunk_bytes, bufs, role, cols)
+        cut = matrix_keys(self.codec, self.pull_codec)
+        cols = {n: matrix_cols(tuple(t.shape)) for n, t in named} if cut else None
+        self.layout = build_layout(params, len(self.servers), self.chunk_bytes, bufs, role, cols, cut == "balanced")
         self.by_param = defaultdict(list)
         for k in self.layout:
             self.by_param[k.param].append(k)

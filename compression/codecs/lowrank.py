@@ -35,6 +35,10 @@ MAX_ITERS = 4
 OVERSAMPLE = 4         # extra columns of the range finder (Halko et al.'s p)
 DENSE_BLOCK = 4096     # dense form: one scale per block of this many values
 FORMS = ("factors", "dense")
+# the layout of a job under it (deltaps/layout.py): whole = a matrix one key up to the key size (fewest bytes: a pair
+# costs (rows + cols) x rank, a cut pays for the columns again); balanced = cut at whole rows into the shards' fair
+# shares as flat keys are (every shard's link carries its share; whole puts a big matrix's traffic on one shard)
+KEYS = ("whole", "balanced")
 
 
 def _factor_sections(m: int, n: int, rank: int, bits: int):
@@ -71,19 +75,20 @@ def range_factors(matrix: torch.Tensor, rank: int, iters: int, seed: int) -> tup
 class LowRankCodec(Codec):
     name = "lowrank"
     default_error_feedback = True
-    matrix_keys = True
 
-    def __init__(self, rank: int = 16, bits: int = 4, iters: int = 2):
+    def __init__(self, rank: int = 16, bits: int = 4, iters: int = 2, keys: str = "whole"):
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_RANK:
             raise CodecError(f"lowrank: rank must be an int in [1, {MAX_RANK}], got {rank!r}")
         if bits not in BITS:
             raise CodecError(f"lowrank: bits must be one of {BITS}, got {bits!r}")
         if not isinstance(iters, int) or isinstance(iters, bool) or not 0 <= iters <= MAX_ITERS:
             raise CodecError(f"lowrank: iters must be an int in [0, {MAX_ITERS}], got {iters!r}")
-        self.rank, self.bits, self.iters = rank, bits, iters
+        if keys not in KEYS:
+            raise CodecError(f"lowrank: keys must be one of {KEYS}, got {keys!r}")
+        self.rank, self.bits, self.iters, self.matrix_keys = rank, bits, iters, keys
 
     def spec(self) -> str:
-        return f"lowrank:rank={self.rank},bits={self.bits},iters={self.iters}"
+        return f"lowrank:rank={self.rank},bits={self.bits},iters={self.iters},keys={self.matrix_keys}"
 
     def factored_rank(self, shape: tuple[int, ...]) -> int:
         """The rank a tensor of `shape` travels at; 0: dense (1-D, or factors no smaller than the dense codes)."""

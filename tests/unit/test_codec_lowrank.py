@@ -107,7 +107,8 @@ def test_nan_and_inf_are_refused_by_name(bad):
 @pytest.mark.parametrize("spec,match", [("lowrank:rank=0", "rank must be an int"),
                                         ("lowrank:rank=2000", "rank must be an int"),
                                         ("lowrank:bits=2", "bits must be one of"),
-                                        ("lowrank:iters=9", "iters must be an int")])
+                                        ("lowrank:iters=9", "iters must be an int"),
+                                        ("lowrank:keys=rows", "keys must be one of")])
 def test_bad_specs_say_what_is_wrong(spec, match):
     with pytest.raises(CodecError, match=match):
         get_codec(spec)
@@ -132,7 +133,18 @@ def test_corrupt_payloads_are_codec_errors():
 
 
 def test_a_round_codec_that_wants_matrix_keys():
-    assert resolve_pull_codec("auto", "lowrank:rank=8") == "lowrank:rank=8,bits=4,iters=2"
+    assert resolve_pull_codec("auto", "lowrank:rank=8") == "lowrank:rank=8,bits=4,iters=2,keys=whole"
     assert resolve_pull_residual("auto", "lowrank:rank=8,bits=4,iters=2") == "carry"     # measured: carry pays here
-    assert matrix_keys("lowrank", "auto") and matrix_keys("int8", "lowrank:rank=4")
-    assert not matrix_keys("chunktopk", "auto") and not matrix_keys("none", "none")
+    assert matrix_keys("lowrank", "auto") == "whole" == matrix_keys("int8", "lowrank:rank=4")
+    assert matrix_keys("lowrank:keys=balanced", "auto") == "balanced"
+    assert matrix_keys("chunktopk", "auto") == "" == matrix_keys("none", "none")
+
+
+def test_the_codec_bench_measures_a_matrix_codec_on_a_matrix():
+    """`deltaps bench codecs` (and `deltaps advise`'s codec probe, which runs it): a 1-D buffer would send lowrank
+    down its dense form and report a vector's ratio."""
+    from deltaps.tools.bench_codecs import run_codec_bench
+    res = run_codec_bench(1 << 20, ["lowrank:rank=16,bits=4", "int8"], repeats=1)["codecs"]
+    assert res["lowrank:rank=16,bits=4"]["shape"] == [512, 512] and res["int8"]["shape"] == [262_144]
+    assert res["lowrank:rank=16,bits=4"]["wire_bytes"] == (512 + 512) * 16 // 2 + 2 * 16 * 4
+    assert res["lowrank:rank=16,bits=4"]["compression_ratio"] > 100 > res["int8"]["compression_ratio"]

@@ -46,5 +46,9 @@ def test_matrix_keys_are_whole_rows_and_never_cut_for_balance():
     cut = build_layout([("w2", 768 * 768, "float32")], 2, chunk_bytes=1000 * 768, cols={"w2": 768})
     assert [(k.offset, k.numel) for k in cut] == [(0, 250 * 768), (250 * 768, 250 * 768), (500 * 768, 250 * 768),
                                                   (750 * 768, 18 * 768)]
+    balanced = build_layout(params, 4, cols=cols, balance_matrices=True)   # lowrank:keys=balanced
+    w2 = [k for k in balanced if k.param == "w2"]
+    assert len(w2) == 4 and all(k.numel % 768 == 0 and k.cols == 768 for k in w2)
+    assert sum(k.numel for k in w2) == 768 * 768 and len({k.shard for k in w2}) == 4
     assert layout_digest(whole, 4) != layout_digest(build_layout(params, 4, cols={n: 0 for n in cols}), 4)
     assert layout_digest(build_layout(params, 4, cols={n: 0 for n in cols}), 4) == layout_digest(flat, 4)
