@@ -184,8 +184,7 @@ class PSClient:
     def _encode(self, k: Key, t: torch.Tensor, step: int) -> Payload:
         if k.is_buffer:     # buffer values are assigned on the shard: never compressed, always float32
             return self._raw.compress(t.to(torch.float32))
-        if k.cols:      # a matrix key: the codec sees its (rows, cols) view (lowrank)
-            t = t.view(-1, k.cols)
+        t = t.view(-1, k.cols) if k.cols else t      # a matrix key: the codec sees its (rows, cols) view (lowrank)
         return self.compressor.compress(k.key, t, step=step, seed=zlib.crc32(f"{k.key}/{step}/{self.worker_id}".encode()))
 
     def _fill_push(self, req, batch: list[Key], grads: dict[str, torch.Tensor], step: int,
