@@ -98,7 +98,7 @@ class KeyState:
             ks.opt = KeyOptimizer(ks.value, optimizer)
             if d["opt"] is not None:
                 ks.opt.load_state_dict(d["opt"])
-        if d.get("view") is not None and pull_spec != "none":
+        if d.get("view") is not None:
             ks.view = ks.pull_view(pull_spec, d["view"])
         ks.exact_since = d.get("exact_since", -1)
         return ks

@@ -18,7 +18,7 @@ import torch
 
 from compression import wire
 from compression.base import CodecError, Payload, register
-from compression.codecs.common import flat_float, make_payload, odd_level_codes, odd_level_values
+from compression.codecs.common import flat_float, make_payload, nchunks, odd_level_codes, odd_level_values, padded_rows
 from compression.codecs.sparse import SparseCodec, scatter_add
 from compression.wire import check_payload, header_int, new_body, read_body
 
@@ -27,7 +27,7 @@ BITS = (2, 4)
 
 
 def _sections(n: int, chunk: int, bits: int, sent: int):
-    return [(torch.float32, -(-n // chunk)), *wire.ef_sections(n, sent), (torch.uint8, wire.packed_nbytes(sent, bits))]
+    return [(torch.float32, nchunks(n, chunk)), *wire.ef_sections(n, sent), (torch.uint8, wire.packed_nbytes(sent, bits))]
 
 
 @register("chunktopk")
@@ -71,10 +71,8 @@ class ChunkTopKCodec(SparseCodec):
         if not bool(torch.isfinite(x).all()):
             raise CodecError("chunktopk: the tensor holds NaN or Inf values; refusing to send them")
         n, c = x.numel(), self.chunk
-        rows = -(-n // c)
-        grid = torch.zeros(rows * c)
-        grid[:n] = x
-        grid = grid.view(rows, c)
+        grid = padded_rows(x, c)
+        rows = grid.shape[0]
         k_row = torch.full((rows,), self.per_chunk(c))
         if n % c:
             k_row[-1] = self.per_chunk(n % c)      # the tail chunk's share of its own length

@@ -51,6 +51,13 @@ def nchunks(n: int, chunk: int) -> int:
     return -(-n // chunk)
 
 
+def padded_rows(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A flat float32 tensor zero-padded to whole chunks, as an (nchunks, chunk) grid: one row per scale."""
+    grid = torch.zeros(nchunks(x.numel(), chunk) * chunk)
+    grid[:x.numel()] = x
+    return grid.view(-1, chunk)
+
+
 def decode_target(payload: Payload, n: int, out: torch.Tensor | None):
     """float32 1-D buffer to decode into, and a finisher giving the tensor to return."""
     dt = value_dtype(payload)

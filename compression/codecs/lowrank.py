@@ -26,7 +26,7 @@ import torch
 
 from compression import wire
 from compression.base import Codec, CodecError, Payload, register
-from compression.codecs.common import flat_float, make_payload, odd_level_codes, odd_level_values
+from compression.codecs.common import flat_float, make_payload, nchunks, odd_level_codes, odd_level_values, padded_rows
 from compression.wire import check_payload, header_int, new_body, read_body
 
 BITS = (4, 8)          # 2-bit factors: rank 32 kept 2-5 points less than rank 16 at 4 bits, the same bytes (clf)
@@ -47,7 +47,12 @@ def _factor_sections(m: int, n: int, rank: int, bits: int):
 
 
 def _dense_sections(n: int, bits: int):
-    return [(torch.float32, -(-n // DENSE_BLOCK)), (torch.uint8, wire.packed_nbytes(n, bits))]
+    return [(torch.float32, nchunks(n, DENSE_BLOCK)), (torch.uint8, wire.packed_nbytes(n, bits))]
+
+
+def _per_value(scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The dense form's scale of each of its n values (one per DENSE_BLOCK)."""
+    return scales.repeat_interleave(DENSE_BLOCK)[:n]
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -115,10 +120,8 @@ class LowRankCodec(Codec):
         rank = self.factored_rank(tuple(tensor.shape))
         if not rank:
             n = x.numel()
-            padded = torch.zeros(-(-n // DENSE_BLOCK) * DENSE_BLOCK)
-            padded[:n] = x
-            scales = padded.view(-1, DENSE_BLOCK).abs().amax(dim=1)
-            per_value = scales.repeat_interleave(DENSE_BLOCK)[:n]
+            scales = padded_rows(x, DENSE_BLOCK).abs().amax(dim=1)
+            per_value = _per_value(scales, n)
             codes = odd_level_codes(x, per_value, levels)
             body, (scale_sec, code_sec) = new_body(_dense_sections(n, self.bits))
             scale_sec.copy_(scales)
@@ -150,7 +153,7 @@ class LowRankCodec(Codec):
         if form == "dense":
             scales, code_sec = read_body(payload, _dense_sections(n, bits))
             _check_scales(scales)
-            values = odd_level_values(_unpack(code_sec, n, bits), scales.repeat_interleave(DENSE_BLOCK)[:n], levels)
+            values = odd_level_values(_unpack(code_sec, n, bits), _per_value(scales, n), levels)
         else:
             if len(payload.shape) != 2:
                 raise CodecError(f"lowrank: factors need a matrix, the payload's shape is {list(payload.shape)}")
