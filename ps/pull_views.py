@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from compression import get_codec
-from deltaps.pull_codec import DELTA, FULL, UNCHANGED
+from deltaps.errors import ShardError
+from deltaps.pull_codec import DELTA, DIGEST_BYTES, FULL, UNCHANGED, values_digest
 
 
 class PullView:
@@ -32,3 +33,30 @@ class PullView:
         if have == version - 1 and self.delta_version == version:
             return DELTA, self.delta
         return FULL, self.view
+
+
+def check_offers(nkeys: int, have_versions, have_digests) -> None:
+    """A pull's per-key offers (PullRequest.have_versions / have_digests): INVALID_ARGUMENT naming what is wrong."""
+    if have_versions and len(have_versions) != nkeys:
+        raise ShardError("INVALID_ARGUMENT", "have_versions must have one entry per key")
+    if have_digests and (not have_versions or len(have_digests) != nkeys):
+        raise ShardError("INVALID_ARGUMENT", "have_digests needs have_versions and one entry per key")
+    if have_digests and any(d and len(d) != DIGEST_BYTES for d in have_digests):
+        raise ShardError("INVALID_ARGUMENT", f"have_digests: a digest is {DIGEST_BYTES} bytes (values_digest) or empty")
+
+
+def serve(ks, have: int | None, digest: bytes = b""):
+    """(kind, tensor or payload) answering one key of a pull (ks: its KeyState, under its lock). have None: a plain
+    pull, the exact value; else the worker's view version (deltaps/pull_codec.py), and a digest of the values it
+    holds, which spares sending a full value it already has."""
+    if have is None:
+        return FULL, ks.value.clone()
+    if ks.view is not None:
+        kind, obj = ks.view.serve(have, ks.version)
+    elif have == ks.version and have > ks.exact_since:
+        kind, obj = UNCHANGED, None
+    else:
+        kind, obj = FULL, ks.value
+    if kind == FULL and digest and digest == values_digest(obj):
+        return UNCHANGED, None     # the worker holds these very bytes (built from the job's seed, as rank 0)
+    return kind, (obj.clone() if kind == FULL else obj)

@@ -120,7 +120,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         min_version = req.min_version if min_version is None else min_version
         items, waited = self.shard.pull(list(req.keys), min_version, req.timeout_s,
                                         list(req.have_versions) or None, worker=req.worker_id,
-                                        alive=context.is_active)
+                                        alive=context.is_active, have_digests=list(req.have_digests) or None)
         nbytes = 0
         for k, kind, obj, _ in items:
             c = rep.values.add()

@@ -21,11 +21,11 @@ from compression.server import Decoded
 from deltaps.errors import NOT_LIVE_MEMBER, PAUSED, ShardError
 from deltaps.layout import Key
 from deltaps.optimizer_config import OptimizerConfig
-from deltaps.pull_codec import FULL, UNCHANGED, resolve_pull_codec
+from deltaps.pull_codec import resolve_pull_codec
 from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
-from ps.pull_views import PullView
+from ps.pull_views import PullView, check_offers, serve
 from ps.rounds import QuorumRounds, realigned_pull
 from ps.shard_stats import shard_stats
 from ps.state import Job, KeyState
@@ -294,15 +294,14 @@ class Shard(Membership):
 
     # ---- pull ------------------------------------------------------------------------------
     def pull(self, keys: list[str], min_version: int, timeout_s: float = 0.0, have_versions=None, *,
-             worker: int | None = None, alive=None):
+             worker: int | None = None, alive=None, have_digests=None):
         """[(key, kind, tensor-or-payload, version)], server-side wait. Without have_versions every
         value is the exact parameter (kind FULL); with them, see deltaps/pull_codec.py.
 
         worker/alive: while the pull waits, `worker` counts as alive (not evicted) as long as alive()
         (the RPC context's is_active) is true; a caller that went away ends the wait with CANCELLED."""
         self._require_job()
-        if have_versions and len(have_versions) != len(keys):
-            raise ShardError("INVALID_ARGUMENT", "have_versions must have one entry per key")
+        check_offers(len(keys), have_versions, have_digests)
         states = [self.key_state(k) for k in keys]
         timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
         t0 = time.monotonic()
@@ -324,21 +323,10 @@ class Shard(Membership):
                         raise ShardError("CANCELLED", "the pulling client went away")
                     if worker is not None:
                         self.touch(worker)
-                out.append((ks.spec.key, *self._serve(ks, have_versions[i] if have_versions else None),
-                            ks.version))
+                out.append((ks.spec.key, *serve(ks, have_versions[i] if have_versions else None,
+                                                have_digests[i] if have_digests else b""), ks.version))
         self.counters["pulls"] += 1
         return out, time.monotonic() - t0
-
-    @staticmethod
-    def _serve(ks: KeyState, have):
-        if have is None:
-            return FULL, ks.value.clone()
-        if ks.view is not None:
-            kind, obj = ks.view.serve(have, ks.version)
-            return kind, (obj.clone() if kind == FULL else obj)
-        if have == ks.version and have > ks.exact_since:
-            return UNCHANGED, None
-        return FULL, ks.value.clone()
 
     # ---- control ---------------------------------------------------------------------------
     def set_codec(self, spec: str) -> tuple[str, int]:

@@ -26,7 +26,7 @@ from deltaps.layout import (
     role_for_buffers,
 )
 from deltaps.optimizer_config import OptimizerConfig
-from deltaps.pull_codec import DELTA, FULL, matrix_keys
+from deltaps.pull_codec import DELTA, FULL, matrix_keys, values_digest
 from deltaps.sync import parse_sync
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, client_channels
 from deltaps.wire import accumulate_payload_into, chunk_from_tensor, fill_chunk, read_chunk
@@ -70,8 +70,7 @@ class PSClient:
         self.sync = parse_sync(sync)
         self.local_steps = local_steps    # > 0: a local-update job (pushes are deltas, the optimizer is the outer one)
         self.optimizer = optimizer or OptimizerConfig()
-        self.codec = codec
-        self.codec_epoch = 0
+        self.codec, self.codec_epoch = codec, 0
         from compression import Compressor
         self.compressor = compressor or Compressor(codec)
         self._raw = NoneCodec()
@@ -91,8 +90,7 @@ class PSClient:
         self.versions: dict[str, int] = {}
         self.view_versions: dict[str, int] = {}   # version of the shared pull view held, per key
         self.pull_codec = pull_codec
-        self._seq = 0
-        self._seq_lock = threading.Lock()
+        self._seq, self._seq_lock = 0, threading.Lock()
         # failure handling (worker/session.py): reconnect deadline, per-shard replay buffers
         if replay_steps < 1:
             raise ValueError(f"replay_steps must be >= 1, got {replay_steps}")
@@ -222,7 +220,7 @@ class PSClient:
             req = pb.PushPullRequest()      # the push half is filled in place (no merge copy of its bodies)
             raw, wire = self._fill_push(req.push, batch, grads, step, inner_steps)
             t0 = time.perf_counter()
-            rep = self.sessions[shard].push_pull(req, lambda batch=batch: self._pull_request(batch, min_version, True),
+            rep = self.sessions[shard].push_pull(req, lambda b=batch: self._pull_request(b, min_version, True, out),
                                                  self.timeout_s + 10)
             dt = time.perf_counter() - t0
             self.stats.add(push_pull_rpcs=1, push_rpcs=1, push_pull_s=dt, bytes_pushed_raw=raw,
@@ -247,17 +245,19 @@ class PSClient:
         waited = 0.0
         for batch in message_batches(keys, self.chunk_bytes):
             t0 = time.perf_counter()
-            rep = self.sessions[shard].call("Pull", lambda batch=batch: self._pull_request(batch, min_version, delta),
+            rep = self.sessions[shard].call("Pull", lambda b=batch: self._pull_request(b, min_version, delta, out),
                                             self.timeout_s + 10)
             self.stats.add(pull_s=time.perf_counter() - t0)
             waited = max(waited, self._take_pull(shard, batch, rep, out, delta))
         return waited
 
-    def _pull_request(self, batch: list[Key], min_version: int, delta: bool):
-        # rebuilt per attempt: a restarted shard needs full values again
+    def _pull_request(self, batch: list[Key], min_version: int, delta: bool, out: dict[str, torch.Tensor]):
+        # rebuilt per attempt: a restarted shard needs full values again — unless they are what `out` holds
         have = [self.view_versions.get(k.key, -1) for k in batch] if delta else []
+        digests = [values_digest(self._slice(out[k.param], k)) if v < 0 else b"" for k, v in zip(batch, have)]
         return pb.PullRequest(worker_id=self.worker_id, keys=[k.key for k in batch], min_version=min_version,
-                              timeout_s=self.timeout_s, have_versions=have)
+                              timeout_s=self.timeout_s, have_versions=have,
+                              have_digests=digests if any(digests) else [])
 
     def _take_pull(self, shard: int, batch: list[Key], rep, out: dict[str, torch.Tensor], delta: bool) -> float:
         """Check one PullResponse against the keys asked for and write it into out; returns its wait."""

@@ -65,7 +65,10 @@ class DistributedOptimizer:
         self.round = 0                      # server steps pushed (= clock unless local_steps)
         self.codec_switches: list[tuple[int, str]] = []   # (first step using it, codec)
         self.timing = {"wait_s": 0.0, "blocked_s": 0.0, "steps": 0}
-        self.staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in self.named + self.named_buffers}
+        # the shared view starts as this worker's own values: where they are the job's (a model built from its seed,
+        # as rank 0's), the first pull downloads nothing (deltaps/pull_codec.py values_digest)
+        self.staging = {n: p.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+                        for n, p in self.named + self.named_buffers}
         # Fusion (DDP buckets / Horovod tensor fusion): a bucket goes out once all its gradients exist,
         # as one PushPull RPC per shard it touches (split only past the client's fused_bytes).
         self.buckets = make_buckets([(n, p.numel() * 4) for n, p in self.named], bucket_bytes)

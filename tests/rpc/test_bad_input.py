@@ -112,6 +112,18 @@ def test_pull_timeout_unknown_key_bad_codec_and_oversize(setup):
     _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: _push(big_stub, huge))
 
 
+def test_bad_digest_offers_are_refused_by_name(setup):
+    _, _, stub = setup
+    ok = b"\1" * 16
+    for req, words in [(pb.PullRequest(keys=["w#0"], have_digests=[ok]), ["have_digests", "have_versions"]),
+                       (pb.PullRequest(keys=["w#0"], have_versions=[-1], have_digests=[ok, ok]), ["one entry per key"]),
+                       (pb.PullRequest(keys=["w#0"], have_versions=[-1], have_digests=[b"abc"]), ["16 bytes"])]:
+        _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda req=req: stub.Pull(req, timeout=5), *words)
+    # a digest of other values gets the full value, not 'unchanged'
+    rep = stub.Pull(pb.PullRequest(keys=["w#0"], have_versions=[-1], have_digests=[ok]), timeout=5)
+    assert list(rep.kinds) == [0] and len(rep.values[0].data) == 400
+
+
 def _addr(setup):
     c, _, _ = setup
     return c.addrs[0]

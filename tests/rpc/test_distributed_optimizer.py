@@ -52,6 +52,24 @@ def test_bsp_two_workers_equal_local_training_on_the_union_batch(cluster_factory
         o.close()
 
 
+def test_workers_built_from_the_jobs_seed_download_nothing_at_start(cluster_factory):
+    """The first pull of a worker whose model is rank 0's (same seed) is 'unchanged' for every key; a worker built
+    otherwise downloads the job's values and takes them."""
+    c = cluster_factory(2)
+    models = [_model(), _model(), _model()]
+    with torch.no_grad():
+        for p in models[2].parameters():
+            p.add_(1.0)
+    opts = [DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, rank=r, world_size=3,
+                                 chunk_bytes=4096, timeout_s=30) for r, m in enumerate(models)]
+    pulled = [o.client.stats.snapshot().get("bytes_pulled_wire", 0) for o in opts]
+    assert pulled[:2] == [0, 0] and pulled[2] == sum(p.numel() * 4 for p in models[0].parameters())
+    for p, q in zip(models[2].parameters(), models[0].parameters()):
+        assert torch.equal(p, q)
+    for o in opts:
+        o.close()
+
+
 def test_unused_parameter_still_takes_part(cluster_factory):
     c = cluster_factory(1)
 
