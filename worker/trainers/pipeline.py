@@ -152,8 +152,9 @@ class Pipeline(Strategy):
                                codec=cfg.codec, pull_codec=cfg.pull_codec, compressor=make_compressor(cfg),
                                **ClientOptions.from_config(cfg, ctx.security).kwargs())
         self.closables.append(self.client.close)
-        self.client.setup([(n, p.detach()) for n, p in self.full])
-        self.staging = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in own}
+        self.client.setup([(n, p.detach()) for n, p in self.full], pull=False)    # the delta pull below waits for init
+        # this stage's own values: where they are the job's (built from its seed), the pull downloads nothing
+        self.staging = {n: p.detach().reshape(-1).to("cpu", torch.float32, copy=True) for n, p in own}
         self.staging.update(self.client.pull(names=self.own_names, out=self.staging, delta=True))
         load_params(own, self.staging)
         stage = PipelineStage(self.mine, s, S, torch.device("cpu"), group=self.pp_group)
