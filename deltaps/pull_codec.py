@@ -26,7 +26,7 @@ DIGEST_BYTES = 16
 def values_digest(values: torch.Tensor) -> bytes:
     """The digest a worker offers for the float32 values it holds of a key, and the shard compares with the
     values a full answer would carry (BLAKE2b: ~1 GB/s, so a 2.6 MB model costs ~3 ms on either side)."""
-    flat = values.detach().reshape(-1).to(torch.float32).contiguous()
+    flat = values.detach().reshape(-1).to("cpu", torch.float32).contiguous()
     return hashlib.blake2b(memoryview(flat.numpy()).cast("B"), digest_size=DIGEST_BYTES).digest()
 
 

@@ -4,7 +4,7 @@ import torch
 from helpers import client
 
 from compression import CodecError, available_codecs, get_codec
-from deltaps.pull_codec import resolve_pull_codec
+from deltaps.pull_codec import DIGEST_BYTES, resolve_pull_codec, values_digest
 
 
 def _clients(c, n, **kw):
@@ -87,6 +87,16 @@ def test_a_worker_holding_the_jobs_values_downloads_nothing_at_its_first_pull(cl
         assert torch.equal(views[0][n], views[1][n]) and torch.equal(views[0][n], views[2][n])
     for cl in cls:
         cl.close()
+
+
+def test_the_digest_is_of_the_float32_bytes():
+    x = torch.randn(3, 7, generator=torch.Generator().manual_seed(2))
+    assert len(values_digest(x)) == DIGEST_BYTES
+    assert values_digest(x) == values_digest(x.reshape(-1).clone()) == values_digest(x.double())   # what goes on the wire
+    y = x.reshape(-1).clone()
+    y[5] = torch.nextafter(y[5], torch.tensor(float("inf")))                                       # one ulp
+    assert values_digest(y) != values_digest(x)
+    assert values_digest(torch.zeros(4)) != values_digest(torch.zeros(5))
 
 
 def test_rollback_to_none_makes_pulls_exact_again(cluster_factory):
