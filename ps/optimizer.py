@@ -20,6 +20,7 @@ with zero gradients on the silent steps, minus their momentum drift.
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 from deltaps.optimizer_config import OptimizerConfig
 
@@ -73,6 +74,7 @@ class KeyOptimizer:
         self.value.grad = grad
         self.opt.step()
         self.value.grad = None
+        increment_version(self.value)     # the fused kernels write in place without it (ps/pull_views.py digest_of)
 
     @torch.no_grad()
     def apply_sparse(self, idx: torch.Tensor, grad: torch.Tensor, spread: bool = True) -> None:

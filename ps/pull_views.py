@@ -1,6 +1,8 @@
 """The shard's shared pull view of one key (see deltaps/pull_codec.py for the protocol)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from compression import get_codec
@@ -57,6 +59,15 @@ def serve(ks, have: int | None, digest: bytes = b""):
         kind, obj = UNCHANGED, None
     else:
         kind, obj = FULL, ks.value
-    if kind == FULL and digest and digest == values_digest(obj):
+    if kind == FULL and digest and digest == digest_of(ks, obj):
         return UNCHANGED, None     # the worker holds these very bytes (built from the job's seed, as rank 0)
     return kind, (obj.clone() if kind == FULL else obj)
+
+
+def digest_of(ks, values: torch.Tensor) -> bytes:
+    """values_digest(values), remembered on the KeyState while the same tensor is unchanged: same key version and
+    the same in-place version counter (torch bumps it on every in-place write)."""
+    memo = ks.served_digest
+    if memo is None or memo[0]() is not values or memo[1:3] != (ks.version, values._version):
+        memo = ks.served_digest = (weakref.ref(values), ks.version, values._version, values_digest(values))
+    return memo[3]

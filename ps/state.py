@@ -68,6 +68,8 @@ class KeyState:
     opt: KeyOptimizer | None = None
     view: PullView | None = None                     # compressed-pull view (None: pulls send values)
     exact_since: int = -1                            # version at which the last view was dropped
+    # the last full answer's values_digest, so N fresh workers cost one hash, not N (ps/pull_views.py digest_of)
+    served_digest: tuple | None = None
 
     def pull_view(self, pull_spec: str, value: torch.Tensor | None = None) -> PullView | None:
         """A shared pull view of this key's value (or `value`): a matrix key's deltas compress as its rows; None for a
