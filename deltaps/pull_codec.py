@@ -30,6 +30,13 @@ def values_digest(values: torch.Tensor) -> bytes:
     return hashlib.blake2b(memoryview(flat.numpy()).cast("B"), digest_size=DIGEST_BYTES).digest()
 
 
+def offered_digests(held: list[torch.Tensor | None]) -> list[bytes]:
+    """PullRequest.have_digests: per key the values_digest of the values a worker holds (None: no offer; nor for a
+    buffer not float32, which a full answer would overwrite with rounded values); [] when no key has one."""
+    digests = [values_digest(t) if t is not None and t.dtype == torch.float32 else b"" for t in held]
+    return digests if any(digests) else []
+
+
 # 'auto': a deterministic codec (the shared view gives error feedback): casts stay casts, everything
 # else int8. Sparse or 1-bit parameter deltas cost accuracy: `bench compare` on the 4.3M-parameter MLP,
 # 40 steps, lost 7.8 points with topk pushes + sign pulls vs +0.3 with int8 pulls.

@@ -47,7 +47,7 @@ def check_offers(nkeys: int, have_versions, have_digests) -> None:
         raise ShardError("INVALID_ARGUMENT", f"have_digests: a digest is {DIGEST_BYTES} bytes (values_digest) or empty")
 
 
-def serve(ks, have: int | None, digest: bytes = b""):
+def answer_key(ks, have: int | None, digest: bytes = b""):
     """(kind, tensor or payload) answering one key of a pull (ks: its KeyState, under its lock). have None: a plain
     pull, the exact value; else the worker's view version (deltaps/pull_codec.py), and a digest of the values it
     holds, which spares sending a full value it already has."""

@@ -19,6 +19,7 @@ from protos import PROTOCOL_VERSION, pb, rpc
 from ps.buffers import key_from_spec
 from ps.handlers import add_servicer
 from ps.optimizer import warm_up
+from ps.pull_views import check_offers
 from ps.shard import Shard
 
 log = logging.getLogger("deltaps.server")
@@ -92,6 +93,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         push, pull = req.push, req.pull
         if pull.worker_id != push.worker_id or pull.server_id != push.server_id:
             raise ShardError("INVALID_ARGUMENT", "PushPull: the pull's worker_id/server_id differ from the push's")
+        check_offers(len(pull.keys), pull.have_versions, pull.have_digests)    # refused before the push is applied
         rep = pb.PushPullResponse()      # filled in place: no merge copies of the bodies
         realign = self._push(push, rep.push)
         if not set(pull.keys) <= {c.key for c in push.grads}:   # the push says nothing of the other keys' rounds

@@ -25,7 +25,7 @@ from deltaps.pull_codec import resolve_pull_codec
 from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
-from ps.pull_views import PullView, check_offers, serve
+from ps.pull_views import PullView, answer_key, check_offers
 from ps.rounds import QuorumRounds, realigned_pull
 from ps.shard_stats import shard_stats
 from ps.state import Job, KeyState
@@ -323,8 +323,8 @@ class Shard(Membership):
                         raise ShardError("CANCELLED", "the pulling client went away")
                     if worker is not None:
                         self.touch(worker)
-                out.append((ks.spec.key, *serve(ks, have_versions[i] if have_versions else None,
-                                                have_digests[i] if have_digests else b""), ks.version))
+                out.append((ks.spec.key, *answer_key(ks, have_versions[i] if have_versions else None,
+                                                     have_digests[i] if have_digests else b""), ks.version))
         self.counters["pulls"] += 1
         return out, time.monotonic() - t0
 

@@ -26,7 +26,7 @@ from deltaps.layout import (
     role_for_buffers,
 )
 from deltaps.optimizer_config import OptimizerConfig
-from deltaps.pull_codec import DELTA, FULL, matrix_keys, values_digest
+from deltaps.pull_codec import DELTA, FULL, matrix_keys, offered_digests
 from deltaps.sync import parse_sync
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, client_channels
 from deltaps.wire import accumulate_payload_into, chunk_from_tensor, fill_chunk, read_chunk
@@ -254,10 +254,9 @@ class PSClient:
     def _pull_request(self, batch: list[Key], min_version: int, delta: bool, out: dict[str, torch.Tensor]):
         # rebuilt per attempt: a restarted shard needs full values again — unless they are what `out` holds
         have = [self.view_versions.get(k.key, -1) for k in batch] if delta else []
-        digests = [values_digest(self._slice(out[k.param], k)) if v < 0 else b"" for k, v in zip(batch, have)]
+        held = [self._slice(out[k.param], k) if v < 0 else None for k, v in zip(batch, have)]
         return pb.PullRequest(worker_id=self.worker_id, keys=[k.key for k in batch], min_version=min_version,
-                              timeout_s=self.timeout_s, have_versions=have,
-                              have_digests=digests if any(digests) else [])
+                              timeout_s=self.timeout_s, have_versions=have, have_digests=offered_digests(held))
 
     def _take_pull(self, shard: int, batch: list[Key], rep, out: dict[str, torch.Tensor], delta: bool) -> float:
         """Check one PullResponse against the keys asked for and write it into out; returns its wait."""

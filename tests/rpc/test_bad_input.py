@@ -113,12 +113,17 @@ def test_pull_timeout_unknown_key_bad_codec_and_oversize(setup):
 
 
 def test_bad_digest_offers_are_refused_by_name(setup):
-    _, _, stub = setup
+    c, _, stub = setup
     ok = b"\1" * 16
     for req, words in [(pb.PullRequest(keys=["w#0"], have_digests=[ok]), ["have_digests", "have_versions"]),
                        (pb.PullRequest(keys=["w#0"], have_versions=[-1], have_digests=[ok, ok]), ["one entry per key"]),
                        (pb.PullRequest(keys=["w#0"], have_versions=[-1], have_digests=[b"abc"]), ["16 bytes"])]:
         _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda req=req: stub.Pull(req, timeout=5), *words)
+    # in a PushPull a bad offer is refused before its push is applied
+    push = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk()])
+    bad = pb.PullRequest(worker_id=0, keys=["w#0"], have_versions=[0], have_digests=[b"abc"])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, push, bad), "16 bytes")
+    _unchanged(c)
     # a digest of other values gets the full value, not 'unchanged'
     rep = stub.Pull(pb.PullRequest(keys=["w#0"], have_versions=[-1], have_digests=[ok]), timeout=5)
     assert list(rep.kinds) == [0] and len(rep.values[0].data) == 400
