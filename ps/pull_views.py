@@ -66,7 +66,8 @@ def answer_key(ks, have: int | None, digest: bytes = b""):
 
 def digest_of(ks, values: torch.Tensor) -> bytes:
     """values_digest(values), remembered on the KeyState while the same tensor is unchanged: same key version and
-    the same in-place version counter (torch bumps it on every in-place write)."""
+    the same in-place version counter (torch bumps it on in-place writes; KeyOptimizer also after its fused step,
+    whose kernels do not)."""
     memo = ks.served_digest
     if memo is None or memo[0]() is not values or memo[1:3] != (ks.version, values._version):
         memo = ks.served_digest = (weakref.ref(values), ks.version, values._version, values_digest(values))
