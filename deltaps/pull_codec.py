@@ -30,6 +30,12 @@ def values_digest(values: torch.Tensor) -> bytes:
     return hashlib.blake2b(memoryview(flat.numpy()).cast("B"), digest_size=DIGEST_BYTES).digest()
 
 
+def own_view(named) -> dict[str, torch.Tensor]:
+    """The shared view a worker starts from, name -> flat float32 CPU copy of its own values: where they are the
+    job's (a model built from its seed, as rank 0's), its first delta pull offers their digests and downloads nothing."""
+    return {n: t.detach().reshape(-1).to("cpu", torch.float32, copy=True) for n, t in named}
+
+
 def offered_digests(held: list[torch.Tensor | None]) -> list[bytes]:
     """PullRequest.have_digests: per key the values_digest of the values a worker holds (None: no offer; nor for a
     buffer not float32, which a full answer would overwrite with rounded values); [] when no key has one."""

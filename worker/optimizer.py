@@ -30,6 +30,7 @@ import torch
 
 from deltaps.layout import DEFAULT_BUCKET_BYTES, make_buckets, role_for_buffers
 from deltaps.optimizer_config import DEFAULT_OUTER, OptimizerConfig, outer_optimizer_config
+from deltaps.pull_codec import own_view
 from worker.client import PSClient
 from worker.local_updates import LocalUpdates
 
@@ -65,10 +66,7 @@ class DistributedOptimizer:
         self.round = 0                      # server steps pushed (= clock unless local_steps)
         self.codec_switches: list[tuple[int, str]] = []   # (first step using it, codec)
         self.timing = {"wait_s": 0.0, "blocked_s": 0.0, "steps": 0}
-        # the shared view starts as this worker's own values: where they are the job's (a model built from its seed,
-        # as rank 0's), the first pull downloads nothing (deltaps/pull_codec.py values_digest)
-        self.staging = {n: p.detach().reshape(-1).to("cpu", torch.float32, copy=True)
-                        for n, p in self.named + self.named_buffers}
+        self.staging = own_view(self.named + self.named_buffers)
         # Fusion (DDP buckets / Horovod tensor fusion): a bucket goes out once all its gradients exist,
         # as one PushPull RPC per shard it touches (split only past the client's fused_bytes).
         self.buckets = make_buckets([(n, p.numel() * 4) for n, p in self.named], bucket_bytes)

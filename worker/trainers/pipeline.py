@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deltaps.optimizer_config import OptimizerConfig
+from deltaps.pull_codec import own_view
 from worker.trainers.base import comm_counters, load_params, local_optimizer, make_compressor
 from worker.trainers.collective import server_stats_when_done
 from worker.trainers.context import ClientOptions
@@ -153,9 +154,8 @@ class Pipeline(Strategy):
                                **ClientOptions.from_config(cfg, ctx.security).kwargs())
         self.closables.append(self.client.close)
         self.client.setup([(n, p.detach()) for n, p in self.full], pull=False)    # the delta pull below waits for init
-        # this stage's own values: where they are the job's (built from its seed), the pull downloads nothing
-        self.staging = {n: p.detach().reshape(-1).to("cpu", torch.float32, copy=True) for n, p in own}
-        self.staging.update(self.client.pull(names=self.own_names, out=self.staging, delta=True))
+        self.staging = own_view(own)
+        self.client.pull(names=self.own_names, out=self.staging, delta=True)     # into the staging buffers
         load_params(own, self.staging)
         stage = PipelineStage(self.mine, s, S, torch.device("cpu"), group=self.pp_group)
         self.schedule = make_schedule(cfg.pipeline_schedule, stage, cfg.microbatches, self.workload.criterion)
