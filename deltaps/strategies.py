@@ -12,6 +12,8 @@ Mode specs (`parse_mode_spec`; the first colon separates the head from its argum
   ps[:<codec>] | ps-bsp[:<codec>]       synchronous PS, gradients through the codec (default none; the codec spec
                                         is all that follows the first colon: ps:topk:ratio=0.01 -> topk:ratio=0.01)
   ps-asp[:<codec>]                      asynchronous PS
+  ... [:shards=N]                       (ps, ps-asp, ps-local) bench compare: this mode's PS shard count, at most
+                                        --servers (fewer shard processes: less CPU beside the workers)
   ps-local<H>[x<F>][o<tau>][q<Q>][:<codec>][:grace=G][:late=W][:inner=I][:<outer>]
                                         PS local updates: --local-steps H, --stream-fragments F, --overlap-steps
                                         tau (docs/local-updates.md), the deltas through the codec; q<Q>: quorum
@@ -78,6 +80,7 @@ TORCHREC_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")   # torc
 WIRE_DTYPES = ("fp32", "fp16", "bf16")     # torchft:diloco's wire=: the dtype its pseudo-gradients are allreduced in
 LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?(?:q(\d+))?")
 QUORUM_ITEM = re.compile(r"(?:^|[:,])(grace|late|inner)=([^:,]*)")
+SHARDS_ITEM = re.compile(r"(?:^|[:,])shards=([^:,]*)")
 
 POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
 LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
@@ -108,6 +111,7 @@ class ModeSpec:
     sharding: str | None = None          # torchrec:sharding=S (None: the planner's choice)
     ttl_steps: int = 0                   # hybrid:dynamic:ttl=N
     min_count: int = 0                   # hybrid:dynamic:min_count=M
+    shards: int | None = None            # ps families' shards=N (None: bench compare's --servers)
     text: str = field(default="", compare=False)     # the spec as written
 
     def outer_overrides(self) -> dict:
@@ -158,15 +162,16 @@ class ModeSpec:
             extra += f":min_replicas={self.min_replicas}" if self.min_replicas is not None else ""
             extra += f":timeout={self.ft_timeout_s:g}" if self.ft_timeout_s is not None else ""
             return f"torchft:{self.algorithm}:sync={self.local_steps}{extra}{self.outer_text()}"
+        shards = f":shards={self.shards}" if self.shards else ""
         if self.local_steps is None:
-            return f"{'ps-asp' if self.sync == 'asp' else 'ps'}:{self.codec}"
+            return f"{'ps-asp' if self.sync == 'asp' else 'ps'}:{self.codec}{shards}"
         fragments = f"x{self.stream_fragments}" if self.stream_fragments != 1 else ""
         overlap = f"o{self.overlap_steps}" if self.overlap_steps is not None else ""
         quorum, grace = "", ""
         if self.sync.startswith("quorum:"):
             _, q, grace = self.sync.split(":", 2)
             quorum, grace = f"q{q}", f":{grace}"
-        return f"ps-local{self.local_steps}{fragments}{overlap}{quorum}:{self.codec}{grace}{self.outer_text()}"
+        return f"ps-local{self.local_steps}{fragments}{overlap}{quorum}:{self.codec}{grace}{self.outer_text()}{shards}"
 
 
 def parse_mode_spec(text: str) -> ModeSpec:
@@ -182,16 +187,18 @@ def parse_mode_spec(text: str) -> ModeSpec:
             raise ValueError(f"mode {text!r}: ddp-elastic takes fp16 or bf16 (hooks without state of their own, which "
                              f"a checkpoint would miss), or nothing")
         return ModeSpec("ddp", ddp_hook=arg or None, elastic=True, text=text)
+    local = LOCAL_HEAD.fullmatch(head)
+    if head in ("ps", "ps-bsp", "ps-asp") or local:
+        arg, shards = _shards_field(arg, text)
     codec, outer = _outer_fields(arg, text)
     if head in ("ps", "ps-bsp", "ps-asp"):
         if outer:
             raise ValueError(f"mode {text!r}: outer optimizer settings need a local-update mode (ps-local<H>)")
-        return ModeSpec("ps", sync="asp" if head == "ps-asp" else "bsp", codec=arg or "none", text=text)
-    local = LOCAL_HEAD.fullmatch(head)
+        return ModeSpec("ps", sync="asp" if head == "ps-asp" else "bsp", codec=arg or "none", shards=shards, text=text)
     if local:
         codec, sync = _quorum_sync(local[4], codec, text)
         return ModeSpec("ps", sync=sync, codec=codec or "none", local_steps=int(local[1]), stream_fragments=int(local[2] or 1),
-                        overlap_steps=int(local[3]) if local[3] else None, text=text, **outer)
+                        overlap_steps=int(local[3]) if local[3] else None, shards=shards, text=text, **outer)
     if head == "torchrec":
         items = [i for i in arg.split(":") if i]
         hook = items.pop(0) if items and items[0] in HALF_HOOKS else None
@@ -221,6 +228,16 @@ def _outer_fields(arg: str, text: str) -> tuple[str, dict]:
         if key == "pull_residual" and value not in PULL_RESIDUALS:
             raise ValueError(f"mode {text!r}: pull_residual must be {' or '.join(PULL_RESIDUALS)}, got {value!r}")
     return OUTER_ITEM.sub("", arg).lstrip(":,"), fields
+
+
+def _shards_field(arg: str, text: str) -> tuple[str, int | None]:
+    """A PS spec's argument -> (the rest, its shards=N or None)."""
+    items = SHARDS_ITEM.findall(arg)
+    if not items:
+        return arg, None
+    if len(items) > 1 or not items[0].isdigit() or int(items[0]) < 1:
+        raise ValueError(f"mode {text!r}: shards= takes one positive integer, got {', '.join(items)}")
+    return SHARDS_ITEM.sub("", arg).lstrip(":,"), int(items[0])
 
 
 def _quorum_sync(quorum: str | None, arg: str, text: str) -> tuple[str, str]:

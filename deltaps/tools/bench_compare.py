@@ -9,10 +9,8 @@ With --eval-every / --target-accuracy (ctr: --target-auc) every mode races to a 
 leads with the time to reach it (deltaps/tools/bench_report.py).
 Without root / iproute2, or with --no-shaping, everything runs on loopback and the report says so.
 
-Mode specs (their grammar: deltaps/strategies.py): `ddp` (alias `allreduce`), `ddp:<hook>` (torch's DDP comm
-hooks: fp16, bf16, powersgd:rank=R, localsgd:period=H), `ddp:sparse[:fp16|bf16]` (ctr), `ps[:<codec spec>]`,
-`ps-asp:<codec spec>`, `ps-local<H>[x<F>][o<tau>]:<codec spec>` (local updates; the outer optimizer from
---outer-optimizer), `hybrid[:fp16|bf16]`.
+Mode specs: the grammar of deltaps/strategies.py (ddp[:<hook>], ps[:<codec spec>], ps-local<H>[x<F>][o<tau>]:<codec
+spec>, torchft:diloco:sync=H, hybrid, torchrec); a PS spec's shards=N runs on the first N of the --servers shards.
 """
 from __future__ import annotations
 
@@ -57,8 +55,7 @@ def hidden_for_params(n: int, layers: int) -> int:
 
 
 def parse_mode(spec: str) -> dict:
-    """A mode spec (deltaps/strategies.py: 'ddp[:hook|:sparse[:fp16|bf16]]' alias 'allreduce[:..]' | 'ps[:codec]' |
-    'ps-asp[:codec]' | 'ps-local<H>[x<F>][o<tau>][:codec]' | 'hybrid[:fp16|bf16]') -> TrainConfig overrides."""
+    """A mode spec (the grammar of deltaps/strategies.py) -> TrainConfig overrides."""
     return parse_mode_spec(spec).overrides()
 
 
@@ -148,14 +145,14 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     mode = parse_mode_spec(spec)
     elastic = mode.elastic                      # ddp-elastic: under torchrun, from checkpoints (bench_faults.py)
     ckpt = os.path.join(d, "checkpoint")        # d is this seed's and variant's: every run starts afresh
-    cfg = load_job(None, {**base, **mode.overrides(), "eval_log": eval_log,
+    cfg = load_job(None, {**base, **mode.overrides(), "eval_log": eval_log, "servers": mode.shards or args.servers,
                           **({"ddp_checkpoint_dir": ckpt} if elastic else {})})
     cfg_path = os.path.join(d, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
     py = [sys.executable, "-m", "deltaps"]
-    S, W = args.servers, args.workers
-    worker_nodes = list(range(S, S + W))      # nodes 0..S-1 are shards, S.. are workers
+    S, W = mode.shards or args.servers, args.workers     # a spec's shards=N: the first N shard nodes
+    worker_nodes = list(range(args.servers, args.servers + W))    # nodes 0..servers-1 are shards, then workers
     servers, workers, script, slowing, roles = [], [], None, None, None
     t0 = time.perf_counter()
     try:
@@ -230,7 +227,8 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
                       if os.path.exists(path)), key=lambda r: r["rank"])   # --kill: a rank killed for good leaves none;
     # ddp-elastic: node r's result may be another rank's (torchrun's rendezvous assigns the ranks)
     out = {**bench_figures.mode_figures(cfg, results, time.perf_counter() - t0, before, after, worker_nodes),
-           **cpu_figures(cpu_before, cpu_after), **roles.figures(), "start_skew_s": bench_protocol.start_skew_s(logs)}
+           **cpu_figures(cpu_before, cpu_after), **roles.figures(), "start_skew_s": bench_protocol.start_skew_s(logs),
+           **({"shards": S} if servers and cfg.mode in ("ps", "hybrid") else {})}
     return {**out, "kills": script.events} if script is not None else out
 
 
@@ -267,6 +265,8 @@ def compare(args) -> dict:
     bench_faults.check(args)
     for s in specs:   # fail fast on a bad spec, before any namespace exists
         load_job(None, {**base, **parse_mode(s)})
+        if (n := parse_mode_spec(s).shards or 0) > args.servers:
+            raise ValueError(f"mode {s!r}: shards={n} is more than --servers {args.servers}")
     report = {"workers": args.workers, "servers": args.servers, "bandwidth": args.bandwidth,
               "latency": args.latency, "shaped": False, "steps": args.steps, "batch_size": args.batch_size,
               "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "hidden": hidden, "layers": args.layers,

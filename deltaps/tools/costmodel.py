@@ -42,6 +42,8 @@ Costs: train time = steps x t_step; GPU-hours = gpus x train time / 3600; cost =
 """
 from __future__ import annotations
 
+import dataclasses
+
 from deltaps.layout import (
     build_layout,
     make_buckets,
@@ -247,12 +249,13 @@ def predict(cal: Calibration, job: Job, strategy: str) -> dict:
     (ps-local8:int8: --local-steps 8; ps-local32x4:none: 4 fragments; ps-local32x4o4:int8: each fragment's
     exchange overlapping 4 inner steps). Not DDP hooks, ddp:sparse, ps-asp or hybrid."""
     spec = parse_mode_spec(strategy)
+    job = dataclasses.replace(job, shards=spec.shards or job.shards)    # a spec's shards=N is this mode's own
     if spec.family == "ddp" and spec.ddp_hook is None and not spec.sparse_embeddings:
         return predict_allreduce(cal, job)
     if spec.family == "ps" and spec.sync == "bsp":
-        if spec.local_steps is None:
-            return predict_ps(cal, job, spec.codec)
-        return predict_local(cal, job, spec.codec, spec.local_steps, spec.stream_fragments, spec.overlap_steps)
+        out = predict_ps(cal, job, spec.codec) if spec.local_steps is None else \
+            predict_local(cal, job, spec.codec, spec.local_steps, spec.stream_fragments, spec.overlap_steps)
+        return {**out, "strategy": out["strategy"] + f":shards={spec.shards}"} if spec.shards else out
     raise ValueError(f"strategy {strategy!r}: the cost model predicts {PREDICTED}")
 
 

@@ -81,14 +81,17 @@ class _BrokenTopology(netns.Topology):
 @pytest.mark.slow
 def test_bench_compare_small(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = bc.main(["--workers", "2", "--servers", "1", "--steps", "15", "--hidden", "64",
-                  "--modes", "allreduce,ps:int8", "--bandwidth", "200mbit", "--json", str(out), "--plot", str(png),
-                  "--netns-prefix", "dpsu"])
+    rc = bc.main(["--workers", "2", "--servers", "2", "--steps", "15", "--hidden", "64",
+                  "--modes", "allreduce,ps:int8,ps:int8:shards=1", "--bandwidth", "200mbit", "--json", str(out),
+                  "--plot", str(png), "--netns-prefix", "dpsu"])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["workers"] == 2 and r["bandwidth"] == "200mbit" and r["shaped"] is OK
     assert r["model_params"] == bc.mlp_params(64, 2)
-    assert list(r["modes"]) == ["allreduce", "ps:int8"]
+    assert list(r["modes"]) == ["allreduce", "ps:int8", "ps:int8:shards=1"]
+    assert [m.get("shards") for m in r["modes"].values()] == [None, 2, 1]     # shards=N: that mode's own shard count
+    with pytest.raises(ValueError, match=r"shards=3 is more than --servers 2"):
+        bc.main(["--workers", "2", "--servers", "2", "--modes", "ps:int8:shards=3", "--netns-prefix", "dpsu"])
     for m in r["modes"].values():
         for k in ("median_step_s", "final_test_accuracy", "bytes_per_step", "compute_share", "comm_share",
                   "wait_share", "speedup_vs_allreduce", "accuracy_delta_vs_allreduce"):

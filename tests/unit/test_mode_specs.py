@@ -3,6 +3,7 @@ strategies and `deltaps advise`: every accepted form gives the TrainConfig overr
 bad specs are refused naming the spec and the accepted forms, and the cost model takes the same names."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -182,6 +183,27 @@ def test_the_hook_grammar_is_the_one_ddp_hooks_uses():
     assert str(parse_ddp_hook("powersgd:rank=2")) == "powersgd:rank=2:start=10"
     with pytest.raises(ValueError, match="sparse is not a DDP comm hook"):
         parse_ddp_hook("sparse")
+
+
+def test_a_ps_spec_names_its_own_shard_count():
+    """shards=N (bench compare: the mode's shards) is not a TrainConfig field, and it round-trips."""
+    for text, codec in (("ps:int8:shards=2", "int8"), ("ps-asp:shards=1", "none"),
+                        ("ps-local32x4o4:lowrank:rank=32,keys=balanced,shards=1", "lowrank:rank=32,keys=balanced"),
+                        ("ps-local32:int8:outer=avg:shards=3", "int8")):
+        spec = parse_mode_spec(text)
+        assert spec.codec == codec and spec.shards == int(text[-1]) and "servers" not in spec.overrides()
+        assert parse_mode_spec(str(spec)) == spec and str(spec).endswith(f":shards={spec.shards}")
+    assert parse_mode_spec("ps-local32:int8").shards is None
+    for bad in ("ps:int8:shards=0", "ps:int8:shards=two", "ps:shards=1:shards=2"):
+        with pytest.raises(ValueError, match="shards= takes one positive integer") as e:
+            parse_mode_spec(bad)
+        assert repr(bad) in str(e.value)
+    with pytest.raises(ValueError, match="unknown"):      # not a PS family: shards= is not its parameter
+        parse_mode_spec("ddp:shards=2")
+    cal = _cal()       # the cost model prices the spec's own shard count
+    one = cm.predict(cal, dataclasses.replace(JOB, shards=1), "ps-local32:int8")
+    assert cm.predict(cal, JOB, "ps-local32:int8:shards=1") == {**one, "strategy": "ps-local32:int8:shards=1"}
+    assert cm.predict(cal, JOB, "ps-local32:int8:shards=1") != cm.predict(cal, JOB, "ps-local32:int8")
 
 
 def test_lists_of_specs():
