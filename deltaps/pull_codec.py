@@ -48,7 +48,7 @@ def offered_digests(held: list[torch.Tensor | None]) -> list[bytes]:
 # 40 steps, lost 7.8 points with topk pushes + sign pulls vs +0.3 with int8 pulls.
 AUTO = {"none": "none", "fp16": "fp16", "bf16": "bf16"}
 # a round codec (local-update jobs) pulls as it pushes (what the view leaves behind: resolve_pull_residual)
-ROUND_CODECS = ("chunktopk", "lowrank")
+ROUND_CODECS = ("chunktopk", "lowrank", "lowbit")
 # ... and those of them whose pulls drop what they leave behind under 'auto' (measured per codec, below)
 DROP_UNDER = ("chunktopk",)
 

@@ -12,7 +12,7 @@ from compression.codecs.sparse import topk_indices
 
 SPECS = ["none", "fp16", "bf16", "int8:chunk=64", "qsgd:levels=16,chunk=64", "sign",
          "topk:ratio=0.05", "randk:ratio=0.05", "dgc:ratio=0.05", "chunktopk:density=0.05,chunk=64",
-         "chunktopk:density=0.02,chunk=4096,bits=4"]
+         "chunktopk:density=0.02,chunk=4096,bits=4", "lowbit:bits=4,chunk=64", "lowbit:bits=2"]
 LOSSY_BODY = [s for s in SPECS if s != "none"]
 
 
