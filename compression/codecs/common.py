@@ -52,7 +52,10 @@ def nchunks(n: int, chunk: int) -> int:
 
 
 def padded_rows(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """A flat float32 tensor zero-padded to whole chunks, as an (nchunks, chunk) grid: one row per scale."""
+    """A flat float32 tensor zero-padded to whole chunks, as an (nchunks, chunk) grid: one row per scale (a view of x
+    when it holds whole chunks: read it, do not write it)."""
+    if x.numel() % chunk == 0 and x.is_contiguous():
+        return x.view(-1, chunk)
     grid = torch.zeros(nchunks(x.numel(), chunk) * chunk)
     grid[:x.numel()] = x
     return grid.view(-1, chunk)
@@ -116,7 +119,8 @@ def det_l2norm(x: torch.Tensor) -> float:
 def odd_level_codes(x: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
     """Codes in [0, levels] of x on `levels` odd multiples of scale / levels (no zero level; a zero scale gives the
     middle codes, which decode to +-0): round((x / scale x L + L) / 2)."""
-    return torch.round((x / torch.where(scales > 0, scales, 1.0) * levels + levels) / 2).clamp_(0, levels)
+    half = levels / 2
+    return (x * (half / torch.where(scales > 0, scales, 1.0))).add_(half).round_().clamp_(0, levels)   # one copy of x
 
 
 def odd_level_values(codes: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return grid.view(-1)[:n]
 
 
+
 @register("lowbit")
 class LowBitCodec(Codec):
     name = "lowbit"
@@ -68,16 +69,16 @@ class LowBitCodec(Codec):
 
     def _encode(self, tensor: torch.Tensor) -> tuple[Payload, torch.Tensor]:
         x = flat_float(tensor).cpu()
-        if not bool(torch.isfinite(x).all()):
-            raise CodecError("lowbit: the tensor holds NaN or Inf values; refusing to send them")
         n, c, levels = x.numel(), self.chunk, (1 << self.bits) - 1
         grid = padded_rows(x, c)
         scale = grid.abs().amax(dim=1) if n else torch.zeros(0)
+        if not bool(torch.isfinite(scale).all()):     # a chunk's max |x| is NaN or Inf exactly when one of its values is
+            raise CodecError("lowbit: the tensor holds NaN or Inf values; refusing to send them")
         codes = odd_level_codes(grid, scale[:, None], levels)
         body, (scales, packed) = new_body(self._sections(n, c, self.bits))
         scales.copy_(scale)
         packed.copy_(pack_codes(codes.view(-1)[:n].to(torch.uint8), self.bits))
-        values = _values(codes, scale[:, None], levels).view(-1)[:n]
+        values = codes.mul_(2).sub_(levels).mul_(scale[:, None] / levels).view(-1)[:n]   # what the receiver decodes
         return make_payload(self.name, tensor, body, {"chunk": c, "bits": self.bits}), values
 
     def _read(self, payload: Payload) -> tuple[int, torch.Tensor]:
@@ -91,7 +92,7 @@ class LowBitCodec(Codec):
             raise CodecError("lowbit: a scale in the payload is negative, NaN or Inf: corrupt payload")
         levels = (1 << bits) - 1
         codes = torch.nn.functional.pad(unpack_codes(packed, n, bits), (0, -n % chunk)).view(-1, chunk)
-        return n, _values(codes, scale[:, None], levels).view(-1)[:n]
+        return n, codes.float().mul_(2).sub_(levels).mul_(scale[:, None] / levels).view(-1)[:n]   # as _encode's values
 
     def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         n, values = self._read(payload)
@@ -106,7 +107,3 @@ class LowBitCodec(Codec):
             raise CodecError(f"lowbit: accumulate into {dst.numel()} elements, payload has {n}")
         dst.add_(values.to(dst.device, dst.dtype), alpha=alpha)
 
-
-def _values(codes: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
-    """odd_level_values on a (chunks, chunk) grid of codes and a (chunks, 1) column of scales."""
-    return (codes.to(torch.float32) * 2 - levels).mul_(scale / levels)

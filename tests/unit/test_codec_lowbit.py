@@ -98,6 +98,14 @@ def test_error_feedback_loses_nothing_over_rounds():
     assert ef.residual("w").abs().max() < 2.0       # carried, not piling up
 
 
+@pytest.mark.parametrize("spec", ["lowbit", "lowbit:bits=2,chunk=100"])
+def test_the_sender_subtracts_exactly_what_the_receiver_decodes(spec):
+    x, residual = rand(1234, seed=3), rand(1234, seed=4)
+    want = residual - decode_payload(get_codec(spec).compress(x)).view(-1)
+    get_codec(spec).compress_leaving(x, residual)
+    assert torch.equal(residual, want)
+
+
 def test_the_shards_sum_equals_the_dense_sum_of_what_each_worker_sent():
     c = get_codec("lowbit:bits=4,chunk=100")
     payloads = [c.compress(rand(10_000, seed=w)) for w in range(4)]
