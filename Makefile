@@ -70,7 +70,8 @@ bench: setup
 # 1 Gbit/s, 100 Mbit/s, 10 Mbit/s, one report each: bench-peers-<workload>-<rate>.json / .png (root for the shaped
 # links; no netem on this kernel: bandwidth only, no added latency). The settings (H, density, outer, sync, wire)
 # were chosen on the validation split (docs/bench-select-clf-10mbit-validation.json; lowrank's rank and keys:
-# docs/bench-select-clf-10mbit-lowrank-balanced-validation.json), never on the test set.
+# docs/bench-select-clf-10mbit-lowrank-balanced-validation.json; lowbit's bits and fragments:
+# docs/bench-select-clf-100mbit-lowbit-3seeds-validation.json), never on the test set.
 # Which modes each rate runs: the peers that can win there (PEERS_<rate>) and DELTAPS_MODES; everything else a
 # user could pick is in bench-peers-quick and the docs' earlier runs.
 RACE_SEEDS ?= 3
@@ -81,7 +82,7 @@ RACE_lm = --workload lm --hidden 128 --layers 2 --batch-size 16 --target-loss 3.
 PEERS_1gbit = ddp,ddp:fp16,ddp:powersgd:rank=4,ddp:localsgd:period=32,torchft:diloco:sync=32,torchft:diloco:sync=32:fragments=2:delay=4
 PEERS_100mbit = ddp:localsgd:period=32,torchft:diloco:sync=32:fragments=2:delay=4,torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=64:wire=bf16
 PEERS_10mbit = torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=bf16,torchft:diloco:sync=64:wire=bf16
-DELTAPS_MODES ?= ps-local32:int8,ps-local32x4o4:int8,ps-local32:chunktopk:density=0.25,ps-local32:lowrank:rank=32,keys=balanced
+DELTAPS_MODES ?= ps-local32:lowbit:bits=2,ps-local32x4o4:int8,ps-local32:chunktopk:density=0.25,ps-local32:lowrank:rank=32,keys=balanced
 # lm's step is compute-bound here (~100 ms with 4 workers on 2 cores: >= 40 s a mode), so its races run the best two
 # peers of the clf races and the best two deltaps modes only (the whole target: ~60 minutes, an estimate)
 PEERS_lm = $(if $(filter 1gbit,$(1)),ddp$(comma))torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=64:wire=bf16
