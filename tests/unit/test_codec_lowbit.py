@@ -121,3 +121,21 @@ def test_the_shards_sum_equals_the_dense_sum_of_what_each_worker_sent():
 def test_it_pulls_as_it_pushes():
     assert resolve_pull_codec("auto", "lowbit") == "lowbit:bits=4,chunk=512"
     assert resolve_pull_codec("auto", "lowbit:bits=2,chunk=64") == "lowbit:bits=2,chunk=64"
+
+
+def test_deltaps_advise_learns_its_cost():
+    """The calibration measures lowbit like any codec, and the cost model prices a lowbit round at its bytes."""
+    from deltaps.tools import costmodel as cm
+    from deltaps.tools.advise.probes import probe_codecs
+    pushes = ["lowbit:bits=2", "int8"]      # + the pull codecs they resolve to, as `deltaps advise --calibrate` does
+    speeds = probe_codecs(4 * 65_536, sorted(set(pushes) | {cm.pull_codec_for(c) for c in pushes}), repeats=2)
+    assert 15 < speeds["lowbit:bits=2"]["ratio"] < 16 and 3.9 < speeds["int8"]["ratio"] < 4
+    cal = cm.Calibration(bandwidth_Bps=1.25e7, alpha_s=1e-4, rpc_s=1e-4, grpc_Bps=float("inf"), fwd_bwd_s={1: 0.01},
+                         bwd_fraction=0.0, optimizer_s={},
+                         codecs={c: cm.CodecSpeed(s["compress_Bps"], s["decompress_Bps"], s["ratio"])
+                                 for c, s in speeds.items()})
+    job = cm.Job(tensors=[("w", 1 << 20)], workers=4, shards=4)
+    two_bit, int8 = (cm.predict(cal, job, f"ps-local32:{c}") for c in ("lowbit:bits=2", "int8"))
+    assert two_bit["push_ratio"] == speeds["lowbit:bits=2"]["ratio"]
+    assert two_bit["pull_ratio"] == speeds["lowbit:bits=2,chunk=512"]["ratio"]       # pulls as it pushes
+    assert two_bit["step_s"] < int8["step_s"]       # 100 Mbit/s: a quarter of int8's bytes per round
