@@ -42,21 +42,16 @@ pull_residual=auto|carry|drop (--pull-residual: where an outer step starts under
 (fp32 DDP is `allreduce`, as the cost model and `deltaps advise` name it). In a comma-separated list
 (`split_mode_specs`) an item with `=` and no `:` continues the previous spec (ps:topk:ratio=0.01,chunk=4096).
 
-Hook specs (`parse_ddp_hook`; `:` or `,` separate the parameters):
-  none                          DDP's default: fp32 gradients, averaging allreduce
-  fp16 | bf16                   torch's fp16_compress_hook / bf16_compress_hook (half the bytes)
-  powersgd:rank=R[:start=S][:impl=auto|torch|deltaps]
-                                PowerSGD (vanilla allreduce before step S, default 10, at least 2: DDP rebuilds
-                                its buckets at step 1, and error feedback / warm start are kept per bucket)
-  localsgd:period=H[:start=S]   torch's post-local-SGD (gradient allreduce before step S, default 1)
+Hook specs (`parse_ddp_hook`, `HookSpec`): their grammar is deltaps/hook_specs.py, re-exported here;
 worker/trainers/ddp_hooks.py builds and runs the hooks. This module imports nothing of deltaps' packages but
-the leaf deltaps.sync.
+the leaves deltaps.hook_specs, deltaps.optimizer_config and deltaps.sync.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
+from deltaps.hook_specs import HOOK_FORMS, LOCALSGD_START, POWERSGD_START, HookSpec, parse_ddp_hook
 from deltaps.optimizer_config import OUTER_OPTIMIZERS, PULL_RESIDUALS
 from deltaps.sync import parse_sync
 
@@ -82,9 +77,6 @@ LOCAL_HEAD = re.compile(r"ps-local(\d+)(?:x(\d+))?(?:o(\d+))?(?:q(\d+))?")
 QUORUM_ITEM = re.compile(r"(?:^|[:,])(grace|late|inner)=([^:,]*)")
 SHARDS_ITEM = re.compile(r"(?:^|[:,])shards=([^:,]*)")
 
-POWERSGD_START = 10      # default start_powerSGD_iter (torch suggests ~10 % of the steps; >= 2 in DDP)
-LOCALSGD_START = 1       # default start_localSGD_iter: step 0 allreduces gradients, local SGD from step 1 on
-HOOK_FORMS = "none, fp16, bf16, powersgd:rank=R[:start=S][:impl=auto|torch|deltaps] or localsgd:period=H[:start=S]"
 
 
 @dataclass(frozen=True)
@@ -352,58 +344,3 @@ def ps_codecs(specs) -> list[str]:
     """The codec specs the PS specs among `specs` use, each once, in order."""
     parsed = (parse_mode_spec(s) for s in specs)
     return list(dict.fromkeys(m.codec for m in parsed if m.family == "ps"))
-
-
-# ---- DDP comm-hook specs ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class HookSpec:
-    kind: str = "none"       # none | fp16 | bf16 | powersgd | localsgd
-    rank: int = 1            # powersgd: matrix approximation rank
-    start: int = 0           # powersgd: start_powerSGD_iter; localsgd: start_localSGD_iter
-    period: int = 0          # localsgd: average the models every `period` steps
-    impl: str = "auto"       # powersgd: auto | torch | deltaps
-
-    def __str__(self) -> str:
-        if self.kind == "powersgd":
-            return f"powersgd:rank={self.rank}:start={self.start}" + ("" if self.impl == "auto" else f":impl={self.impl}")
-        if self.kind == "localsgd":
-            return f"localsgd:period={self.period}:start={self.start}"
-        return self.kind
-
-
-def parse_ddp_hook(spec: str | None) -> HookSpec:
-    """'none' | 'fp16' | 'bf16' | 'powersgd:rank=R[:start=S][:impl=..]' | 'localsgd:period=H[:start=S]'."""
-    head, *rest = re.split(r"[:,]", (spec or "none").strip().lower())
-    head = {"": "none", "fp32": "none", "allreduce": "none"}.get(head, head)
-    bad = f"ddp hook {spec!r}"
-    allowed = {"powersgd": {"rank", "start", "impl"}, "localsgd": {"period", "start"}}.get(head)
-    if head == "sparse":
-        raise ValueError(f"{bad}: sparse is not a DDP comm hook; use --sparse-embeddings (bench compare's ddp:sparse)")
-    if head not in ("none", "fp16", "bf16", "powersgd", "localsgd"):
-        raise ValueError(f"unknown {bad}; use {HOOK_FORMS}")
-    params = {}
-    for item in filter(None, rest):
-        key, eq, value = item.partition("=")
-        if not eq or not allowed or key not in allowed:
-            raise ValueError(f"{bad}: unexpected parameter {item!r}; use {HOOK_FORMS}")
-        params[key] = value
-    if head in ("none", "fp16", "bf16"):
-        return HookSpec(head)
-
-    def integer(key, default, low):
-        try:
-            v = int(params.get(key, default))
-        except ValueError:
-            raise ValueError(f"{bad}: {key} must be an integer, got {params[key]!r}") from None
-        if v < low:
-            raise ValueError(f"{bad}: {key} must be >= {low}, got {v}")
-        return v
-    if head == "powersgd":
-        impl = params.get("impl", "auto")
-        if impl not in ("auto", "torch", "deltaps"):
-            raise ValueError(f"{bad}: impl must be auto, torch or deltaps, got {impl!r}")
-        # >= 2: DDP rebuilds its buckets at step 1, and error feedback / warm start are kept per bucket
-        return HookSpec("powersgd", rank=integer("rank", 1, 1), start=integer("start", POWERSGD_START, 2), impl=impl)
-    if "period" not in params:
-        raise ValueError(f"{bad}: localsgd needs period=H (average the models every H steps)")
-    return HookSpec("localsgd", period=integer("period", 1, 1), start=integer("start", LOCALSGD_START, 0))

@@ -2,7 +2,7 @@
 (`--mode allreduce --ddp-hook ...`, bench compare's `ddp:<hook>` modes), run by torch itself on the same model,
 data, seed and optimizer as every other mode.
 
-Hook specs (`HookSpec`, `parse_ddp_hook`: their grammar lives in deltaps/strategies.py, with the mode specs
+Hook specs (`HookSpec`, `parse_ddp_hook`: their grammar lives in deltaps/hook_specs.py, embedded in the mode specs
 that name them, and is re-exported here): none, fp16 | bf16 (torch's fp16_compress_hook / bf16_compress_hook),
 powersgd:rank=R[:start=S][:impl=auto|torch|deltaps] (PowerSGD: error feedback, warm start, min compression rate 2;
 impl=torch is torch's powerSGD_hook; impl=deltaps (`powersgd_hook` below) the same math with the collectives
@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from deltaps.strategies import HookSpec, parse_ddp_hook
+from deltaps.hook_specs import HookSpec, parse_ddp_hook
 
 __all__ = ["HookSpec", "parse_ddp_hook", "build_hook", "PeerHook", "PowerSGDState",
            "powersgd_hook", "orthogonalize"]
