@@ -78,7 +78,6 @@ QUORUM_ITEM = re.compile(r"(?:^|[:,])(grace|late|inner)=([^:,]*)")
 SHARDS_ITEM = re.compile(r"(?:^|[:,])shards=([^:,]*)")
 
 
-
 @dataclass(frozen=True)
 class ModeSpec:
     family: str                          # FAMILIES

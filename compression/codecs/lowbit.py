@@ -35,7 +35,6 @@ def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return grid.view(-1)[:n]
 
 
-
 @register("lowbit")
 class LowBitCodec(Codec):
     name = "lowbit"
@@ -106,4 +105,3 @@ class LowBitCodec(Codec):
         if dst.numel() != n:
             raise CodecError(f"lowbit: accumulate into {dst.numel()} elements, payload has {n}")
         dst.add_(values.to(dst.device, dst.dtype), alpha=alpha)
-
