@@ -152,7 +152,7 @@ bench-ctr-memory.json: setup FORCE
 # the race in a few minutes: one seed, clf, 100 Mbit/s, fp32 DDP, the best DDP hook and torchft peers, the best deltaps modes
 bench-peers-quick: setup
 	$(BIN)/deltaps bench compare --workers 4 --workload clf --eval-every 10 --target-accuracy 0.9 --steps 600 \
-		--bandwidth 100mbit --modes ddp,ddp:localsgd:period=32,torchft:diloco:sync=32,torchft:diloco:sync=32:fragments=2:delay=4,ps-local32:int8,ps-local32x4o4:int8 \
+		--bandwidth 100mbit --modes ddp,ddp:localsgd:period=32,torchft:diloco:sync=32,torchft:diloco:sync=32:fragments=2:delay=4,ps-local32:lowbit:bits=2,ps-local32x4o4:int8 \
 		--json bench-peers-quick.json --plot bench-peers-quick.png
 
 # deltaps advise: predicted vs measured step time on the bench compare grid (2 and 4 workers x 100mbit,

@@ -291,3 +291,20 @@ def test_the_cost_model_and_the_config_agree_on_local_specs(case):
     p = cm.predict(_cal(), JOB, text)
     assert (p["local_steps"], p["stream_fragments"]) == (want["local_steps"], want["stream_fragments"])
     assert want["overlap_steps"] in (-1, p["overlap_steps"])
+
+
+def test_the_makefiles_race_modes_parse():
+    """`make bench-peers` / `bench-peers-quick` name their modes in the Makefile: each must be a spec bench compare
+    takes (a typo there would surface only after an hour of races)."""
+    import re as _re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "Makefile").read_text().replace("$(comma)", ",")
+    lists = _re.findall(r"^(?:PEERS_\w+|DELTAPS_\w+|\w+_MODES|TORCHFT_FT) \??= (.+)$", text, _re.M)
+    lists += _re.findall(r"--modes (\S+)", text)
+    assert len(lists) >= 6
+    for modes in lists:
+        modes = _re.sub(r"\$\(if \$\(filter \w+,\$\(1\)\),(\w+),\)", r"\1,", modes)   # PEERS_lm's conditional ddp
+        if "$" in modes:
+            continue        # a make expansion, not a list
+        for spec in split_mode_specs(modes):
+            parse_mode(spec)
