@@ -83,12 +83,15 @@ PEERS_1gbit = ddp,ddp:fp16,ddp:powersgd:rank=4,ddp:localsgd:period=32,torchft:di
 PEERS_100mbit = ddp:localsgd:period=32,torchft:diloco:sync=32:fragments=2:delay=4,torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=64:wire=bf16
 PEERS_10mbit = torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=32:fragments=2:delay=4:wire=bf16,torchft:diloco:sync=64:wire=bf16
 DELTAPS_MODES ?= ps-local32:lowbit:bits=2,ps-local32x4o4:int8,ps-local32:chunktopk:density=0.25,ps-local32:lowrank:rank=32,keys=balanced
+# + per rate: at 1 Gbit/s two shard processes leave the workers more of the 2 cores (validation, 3 seeds:
+# docs/bench-select-clf-1gbit-shards-validation.json)
+DELTAPS_EXTRA_1gbit = ps-local32:int8:shards=2
 # lm's step is compute-bound here (~100 ms with 4 workers on 2 cores: >= 40 s a mode), so its races run the best two
 # peers of the clf races and the best two deltaps modes only (the whole target: ~60 minutes, an estimate)
 PEERS_lm = $(if $(filter 1gbit,$(1)),ddp$(comma))torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=64:wire=bf16
 DELTAPS_lm = ps-local32:int8,ps-local32x4o4:int8
 comma = ,
-race_modes = $(if $(filter lm,$(1)),$(call PEERS_lm,$(2))$(comma)$(DELTAPS_lm),$(PEERS_$(2))$(comma)$(DELTAPS_MODES))
+race_modes = $(if $(filter lm,$(1)),$(call PEERS_lm,$(2))$(comma)$(DELTAPS_lm),$(PEERS_$(2))$(comma)$(DELTAPS_MODES)$(if $(DELTAPS_EXTRA_$(2)),$(comma)$(DELTAPS_EXTRA_$(2))))
 RACES = $(foreach w,clf lm,$(foreach r,1gbit 100mbit 10mbit,bench-peers-$(w)-$(r).json))
 bench-peers: $(RACES)
 
