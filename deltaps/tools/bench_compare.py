@@ -263,10 +263,10 @@ def compare(args) -> dict:
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
             "fallback_factor": 0.0}
     bench_faults.check(args)
-    for s in specs:   # fail fast on a bad spec, before any namespace exists
-        load_job(None, {**base, **parse_mode(s)})
-        if (n := parse_mode_spec(s).shards or 0) > args.servers:
-            raise ValueError(f"mode {s!r}: shards={n} is more than --servers {args.servers}")
+    for mode in map(parse_mode_spec, specs):   # fail fast on a bad spec, before any namespace exists
+        load_job(None, {**base, **mode.overrides()})
+        if (mode.shards or 0) > args.servers:
+            raise ValueError(f"mode {mode.text!r}: shards={mode.shards} is more than --servers {args.servers}")
     report = {"workers": args.workers, "servers": args.servers, "bandwidth": args.bandwidth,
               "latency": args.latency, "shaped": False, "steps": args.steps, "batch_size": args.batch_size,
               "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "hidden": hidden, "layers": args.layers,
