@@ -179,6 +179,11 @@ class TrainConfig:
         "append every evaluation during training to this JSON-lines file as it happens, after a first line "
         "{\"started\": true, \"step\": S} when training begins ({rank} is replaced by the rank; bench compare's "
         "--time-cap, --kill and capped --straggler watch it); empty = off")
+    eval_cache: str = option(
+        "",
+        "a directory the job's ranks on one host share: a model state they hold alike (a synced step) is evaluated "
+        "once, by the first rank to get there, and the others read its result (worker/shared_evaluations.py; bench "
+        "compare sets it per run); empty = every rank evaluates on its own")
     straggler: str = option(
         "",
         "RANK:FACTOR: that worker's compute takes FACTOR (>= 1) times as long — it sleeps (FACTOR - 1) x its measured "

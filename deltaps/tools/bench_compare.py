@@ -145,8 +145,8 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     mode = parse_mode_spec(spec)
     elastic = mode.elastic                      # ddp-elastic: under torchrun, from checkpoints (bench_faults.py)
     ckpt = os.path.join(d, "checkpoint")        # d is this seed's and variant's: every run starts afresh
-    cfg = load_job(None, {**base, **mode.overrides(), "eval_log": eval_log, "servers": mode.shards or args.servers,
-                          **({"ddp_checkpoint_dir": ckpt} if elastic else {})})
+    cfg = load_job(None, {**base, **mode.overrides(), "eval_log": eval_log, "eval_cache": os.path.join(d, "evals"),
+                          "servers": mode.shards or args.servers, **({"ddp_checkpoint_dir": ckpt} if elastic else {})})
     cfg_path = os.path.join(d, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)

@@ -122,3 +122,17 @@ def test_launch_passes_server_args_checkpoints_written(tmp_path):
     assert s["steps"] == 60
     names = sorted(p.name for p in ck.iterdir())
     assert any(n.startswith("shard0-") for n in names) and any(n.startswith("shard1-") for n in names), names
+
+
+def test_ranks_of_one_host_share_their_evaluations(tmp_path):
+    """--eval-cache across real worker processes: a local-update job's ranks hold the same global model at every
+    evaluation, so each model state is scored once and both ranks log the same figures."""
+    cache, logs = tmp_path / "evals", str(tmp_path / "ev{rank}.jsonl")
+    s = _launch(tmp_path, "--local-steps", "8", "--steps", "48", "--eval-every", "8", "--eval-log", logs,
+                "--eval-cache", str(cache))
+    assert s["steps"] == 48
+    evals = [[json.loads(line) for line in open(logs.format(rank=r))][1:] for r in range(2)]     # after "started"
+    assert len(evals[0]) == len(evals[1]) == 6
+    assert [(e["step"], e["test_accuracy"]) for e in evals[0]] == [(e["step"], e["test_accuracy"]) for e in evals[1]]
+    scored = list(cache.glob("eval-*.json"))
+    assert len(scored) <= 6 + 1             # one per global model (+ the final evaluation), not one per rank

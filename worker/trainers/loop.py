@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deltaps.units import parse_bytes
+from worker.shared_evaluations import SharedEvaluations
 from worker.trainers.base import RunRecorder, save_model
 from worker.trainers.collective import init_process_group
 from worker.trainers.context import RunContext
@@ -30,6 +31,8 @@ def train(cfg, ctx: RunContext) -> dict:
     limit_memory(cfg.worker_memory_limit)
     torch.set_num_threads(1)
     workload = get_workload(cfg)
+    if cfg.eval_cache:      # every strategy and the final evaluation score models through workload.evaluate
+        workload.evaluate = SharedEvaluations(cfg.eval_cache, workload.evaluate)
     strategy = strategy_class(cfg.mode)(cfg, ctx, workload)
     if strategy.collective:
         init_process_group(cfg, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, strategy.backend())
