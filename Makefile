@@ -90,8 +90,10 @@ DELTAPS_EXTRA_1gbit = ps-local32:int8:shards=2
 # peers of the clf races and the best two deltaps modes only (the whole target: ~60 minutes, an estimate)
 PEERS_lm = $(if $(filter 1gbit,$(1)),ddp$(comma))torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=64:wire=bf16
 DELTAPS_lm = ps-local32:int8,ps-local32x4o4:int8
-# + at 10 Mbit/s: 4-bit dense rounds (lm validation, one seed: docs/bench-select-lm-10mbit-lowbit-validation.json)
+# + at 10 and 100 Mbit/s: 4-bit dense rounds (lm validation at 10 Mbit/s, one seed:
+# docs/bench-select-lm-10mbit-lowbit-validation.json)
 DELTAPS_EXTRA_lm_10mbit = ps-local32:lowbit
+DELTAPS_EXTRA_lm_100mbit = ps-local32:lowbit
 comma = ,
 extra_modes = $(if $(DELTAPS_EXTRA_$(1)),$(comma)$(DELTAPS_EXTRA_$(1)))
 race_modes = $(if $(filter lm,$(1)),$(call PEERS_lm,$(2))$(comma)$(DELTAPS_lm)$(call extra_modes,lm_$(2)),$(PEERS_$(2))$(comma)$(DELTAPS_MODES)$(call extra_modes,$(2)))
