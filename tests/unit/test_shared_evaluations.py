@@ -79,3 +79,12 @@ def test_the_digest_covers_values_buffers_names_and_dtypes():
     renamed.add_module("first", _model(0)[0])
     renamed.add_module("second", _model(0)[1])
     assert model_digest(renamed) != model_digest(_model(0))
+
+
+def test_only_strategies_that_evaluate_alone_share():
+    """A TorchRec rank's forward is an all-to-all (a rank waiting on the lock would hang the evaluating one); a hybrid
+    model's tables live on the shards, outside the digest: neither takes the cache."""
+    from worker.trainers.strategy import strategy_class
+    assert not strategy_class("torchrec").evaluates_alone
+    assert not strategy_class("hybrid").evaluates_alone
+    assert all(strategy_class(m).evaluates_alone for m in ("ps", "allreduce", "torchft"))

@@ -49,6 +49,7 @@ def hybrid_extras(ps_modules: list[str], sparse_stats: dict, dense_ring_bytes: i
 @register("hybrid")
 class Hybrid(Strategy):
     collective = True
+    evaluates_alone = False     # its tables live on the shards, outside the module's state_dict
     needs_servers = True
     takes_ddp_hook = dynamic_tables = needs_embeddings = True
 

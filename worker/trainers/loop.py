@@ -31,9 +31,9 @@ def train(cfg, ctx: RunContext) -> dict:
     limit_memory(cfg.worker_memory_limit)
     torch.set_num_threads(1)
     workload = get_workload(cfg)
-    if cfg.eval_cache:      # every strategy and the final evaluation score models through workload.evaluate
-        workload.evaluate = SharedEvaluations(cfg.eval_cache, workload.evaluate)
     strategy = strategy_class(cfg.mode)(cfg, ctx, workload)
+    if cfg.eval_cache and strategy.evaluates_alone:   # every strategy and the final evaluation go through it
+        workload.evaluate = SharedEvaluations(cfg.eval_cache, workload.evaluate)
     if strategy.collective:
         init_process_group(cfg, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, strategy.backend())
     try:

@@ -55,6 +55,10 @@ class Strategy:
     collective = False      # runs in a torch.distributed process group (the loop starts and ends it)
     needs_servers = False   # talks to the PS shards
     needs_lighthouse = False  # a torchft Lighthouse (the launcher starts one)
+    # an evaluation is a function of the module's own state_dict, computed by this rank alone (no collective, no
+    # state elsewhere), so ranks holding the same state may share it (--eval-cache: a rank waiting for another's
+    # result must not be a party to its forward, and the digest must cover everything the result depends on)
+    evaluates_alone = True
 
     def __init__(self, cfg, ctx: RunContext, workload: Workload):
         self.cfg, self.ctx, self.workload = cfg, ctx, workload

@@ -110,6 +110,7 @@ def write_initial_rows(dmp, spec) -> int:
 @register("torchrec")
 class TorchRec(Strategy):
     collective = True
+    evaluates_alone = False     # the sharded tables' forward is an all-to-all over every rank
     takes_ddp_hook = needs_embeddings = True
 
     @classmethod
