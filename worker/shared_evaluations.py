@@ -11,8 +11,8 @@ per-rank state) have different digests and are evaluated each on its own, so res
 Contract: the directory belongs to one job (the same workload, data, seed and split); results are JSON-able dicts,
 read back exactly (floats round-trip through JSON). A rank killed mid-evaluation releases its lock with its process.
 Only strategies whose evaluation is a function of the module's own state, computed by the rank alone, take it
-(Strategy.evaluates_alone): not TorchRec (its sharded forward is a collective: a rank waiting here would hang the
-evaluating one) nor hybrid (its tables live on the shards, outside the digest).
+(Strategy.evaluates_alone): not TorchRec (its tables are ShardedTensors, and its forward a collective a rank waiting
+here would stall) nor hybrid (its tables live on the shards, outside the digest).
 """
 from __future__ import annotations
 
