@@ -87,7 +87,8 @@ DELTAPS_MODES ?= ps-local32:lowbit:bits=2,ps-local32x4o4:int8,ps-local32:chunkto
 # docs/bench-select-clf-1gbit-shards-validation.json)
 DELTAPS_EXTRA_1gbit = ps-local32:int8:shards=2
 # lm's step is compute-bound here (~100 ms with 4 workers on 2 cores: >= 40 s a mode), so its races run the best two
-# peers of the clf races and the best two deltaps modes only (the whole target: ~60 minutes, an estimate)
+# peers of the clf races and the best deltaps modes only (the six races, summed from separate runs: ~92 minutes,
+# docs/compare.md)
 PEERS_lm = $(if $(filter 1gbit,$(1)),ddp$(comma))torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=64:wire=bf16
 DELTAPS_lm = ps-local32:int8,ps-local32x4o4:int8
 # + at 10 and 100 Mbit/s: 4-bit dense rounds (lm validation at 10 Mbit/s, one seed:
