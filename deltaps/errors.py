@@ -42,6 +42,11 @@ class PSError(RuntimeError):
         self.reason = reason
 
 
+class JobFailed(RuntimeError):
+    """A launcher (`deltaps launch`, `bench compare`) saw a job's worker or server exit with an error; the message
+    names them and holds their logs' tails. The CLI prints it as one error line, not a traceback."""
+
+
 def abort(context: grpc.ServicerContext, err: ShardError) -> None:
     """End the RPC with err's status; its reason (if any) goes into the trailing metadata."""
     if err.reason:

@@ -388,9 +388,9 @@ class PSClient:
                 with contextlib.suppress(grpc.RpcError):
                     stub.Heartbeat(leaving, timeout=2.0)
                 stream.cancel()
+        for ch in self.channels:    # cancels RPCs still in flight (a round a failed step left open): the pool's
+            ch.close()              # threads end now with CANCELLED instead of waiting out --timeout-s
         self.pool.shutdown(wait=True)
-        for ch in self.channels:
-            ch.close()
 
     def __enter__(self):
         return self

@@ -117,10 +117,12 @@ def det_l2norm(x: torch.Tensor) -> float:
 
 
 def odd_level_codes(x: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
-    """Codes in [0, levels] of x on `levels` odd multiples of scale / levels (no zero level; a zero scale gives the
-    middle codes, which decode to +-0): round((x / scale x L + L) / 2)."""
+    """Codes in [0, levels] of x on `levels` odd multiples of scale / levels (no zero level): round((x / scale x L +
+    L) / 2). A zero scale, or a subnormal one whose reciprocal overflows float32 (a dead unit's rows after many Adam
+    steps: 0 x inf would be NaN), gives the middle codes, which decode to +-scale / L; error feedback keeps the rest."""
     half = levels / 2
-    return (x * (half / torch.where(scales > 0, scales, 1.0))).add_(half).round_().clamp_(0, levels)   # one copy of x
+    per_unit = (half / torch.where(scales > 0, scales, 1.0)).nan_to_num_(posinf=0.0)
+    return (x * per_unit).add_(half).round_().clamp_(0, levels)   # one copy of x
 
 
 def odd_level_values(codes: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from deltaps.cli import bench, ctl, launch, server, worker
+from deltaps.errors import JobFailed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,3 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"deltaps: error: {e}", file=sys.stderr)
         return 2
+    except JobFailed as e:     # the workers' own errors are in the message; the launcher's stack says nothing
+        print(f"deltaps {args.cmd}: error: {e}", file=sys.stderr)
+        return 1

@@ -25,6 +25,7 @@ import time
 import yaml
 
 from deltaps.config import DEVICES
+from deltaps.errors import JobFailed
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, cpu_roles, netns
 from deltaps.tools.bench_nodes import Nodes, cpu_figures, topology_nodes
@@ -211,7 +212,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
         if failed:
             logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(d, f'worker{r}.log'))}"
                              for r, c in failed)
-            raise RuntimeError(f"mode {spec}: {len(failed)} worker(s) failed:\n{logs}")
+            raise JobFailed(f"mode {spec}: {len(failed)} worker(s) failed:\n{logs}")
         after, cpu_after = net.counters(worker_nodes), net.cpu(worker_nodes)
     finally:
         if roles is not None:
@@ -257,8 +258,7 @@ def compare(args) -> dict:
             "id_drift": args.id_drift, "drift_every": args.drift_every, "worker_memory_limit": args.worker_memory_limit,
             "eval_every": args.eval_every, "target_accuracy": args.target_accuracy, "target_auc": args.target_auc,
             "target_loss": args.target_loss, "common_step": args.common_step or 0,
-            "eval_split": args.select_on,
-            "outer_optimizer": args.outer_optimizer,
+            "eval_split": args.select_on, "outer_optimizer": args.outer_optimizer,
             **{k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum)) if v is not None},
             # a fair fight: no auto-rollback to uncompressed gradients in the middle of a measurement
             "fallback_factor": 0.0}

@@ -12,6 +12,7 @@ import time
 import yaml
 
 from deltaps.config import TrainConfig
+from deltaps.errors import JobFailed
 from worker.trainers.strategy import strategy_class
 
 
@@ -21,7 +22,7 @@ def wait_port_file(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> 
         if os.path.exists(path):
             return int(open(path).read())
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before listening")
+            raise JobFailed(f"server exited with code {proc.returncode} before listening")
         time.sleep(0.05)
     raise TimeoutError("server did not start listening in time")
 
@@ -144,7 +145,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         if failed:
             logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(tmp, f'worker{r}.log'))}"
                              for r, c in failed)
-            raise RuntimeError(f"{len(failed)} worker(s) failed:\n{logs}")
+            raise JobFailed(f"{len(failed)} worker(s) failed:\n{logs}")
     finally:
         stop_processes(workers)
         stop_processes(servers)

@@ -136,3 +136,14 @@ def test_ranks_of_one_host_share_their_evaluations(tmp_path):
     assert [(e["step"], e["test_accuracy"]) for e in evals[0]] == [(e["step"], e["test_accuracy"]) for e in evals[1]]
     scored = list(cache.glob("eval-*.json"))
     assert len(scored) <= 6 + 1             # one per global model (+ the final evaluation), not one per rank
+
+
+def test_a_failed_job_is_one_error_line_not_a_traceback(tmp_path):
+    """A launcher whose shard or worker exits with an error prints `deltaps launch: error:` with what failed and
+    exits 1; the launcher's own stack is noise to a user."""
+    proc = subprocess.run(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--steps", "5",
+                                     "--server-args=--no-such-flag"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "deltaps launch: error: server exited with code 2 before listening" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -308,3 +308,22 @@ def test_negative_step_stale_server_id_and_garbage_bytes(cluster_factory):
             raw(b"\xff\xff\xff\xff", timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid PushRequest" in e.value.details()
         assert torch.equal(c.shards[0].keys[k.key].value, before) and c.shards[0].keys[k.key].version == 0
+
+
+def test_closing_a_client_cancels_its_exchange_in_flight(cluster_factory):
+    """A worker whose step failed mid-round (a codec refusing NaN, an out-of-memory) closes its client while a pull
+    in its pool still waits for a round its peers will not finish: close() cancels that RPC and returns at once, so
+    the process exits and its launcher reports the failure, instead of waiting out --timeout-s first."""
+    c = cluster_factory(1)
+    w0, w1 = [client(c.addrs, r, 2, timeout_s=60.0) for r in range(2)]
+    for w in (w0, w1):
+        w.setup(named())
+    w0.push({n: torch.ones_like(t) for n, t in named()}, 0)
+    waiting = w0.pool.submit(w0.pull, min_version=1)       # worker 1 never pushes round 0
+    time.sleep(0.3)
+    assert not waiting.done()
+    t0 = time.monotonic()
+    w0.close()
+    assert time.monotonic() - t0 < 5.0
+    assert isinstance(waiting.exception(timeout=1.0), PSError)
+    w1.close()

@@ -7,7 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression import CodecError, Compressor, Payload, accumulate_payload, decode_payload, get_codec, unpack_payload
+from compression import (
+    CodecError,
+    Compressor,
+    ErrorFeedback,
+    Payload,
+    accumulate_payload,
+    decode_payload,
+    get_codec,
+    unpack_payload,
+)
 from compression.codecs.sparse import topk_indices
 
 SPECS = ["none", "fp16", "bf16", "int8:chunk=64", "qsgd:levels=16,chunk=64", "sign",
@@ -290,3 +299,29 @@ def test_unknown_codec_and_bad_spec():
 def test_integer_tensors_rejected_by_lossy_codecs():
     with pytest.raises(CodecError):
         get_codec("int8").compress(torch.arange(10))
+
+
+TINY = torch.finfo(torch.float32).tiny     # smallest normal float32; below it, 1 / x overflows
+
+
+@pytest.mark.parametrize("spec", ["lowbit:bits=2,chunk=64", "lowbit:bits=4,chunk=64", "chunktopk:density=0.25,chunk=64",
+                                  "lowrank:rank=2", "lowrank:rank=2,bits=8", "int8:chunk=64", "qsgd:levels=16,chunk=64"])
+@pytest.mark.parametrize("shape", [(256,), (32, 16)])
+def test_subnormal_chunks_stay_finite_and_error_feedback_loses_nothing(spec, shape):
+    """A dead unit's rows after many Adam steps hold subnormal deltas: a chunk (or the whole tensor) whose largest
+    |x| is below float32's smallest normal must encode to finite values and leave a finite residual — a scale whose
+    reciprocal overflowed once turned 0 x inf into NaN in the residual and killed a 2-bit job at round 78."""
+    x = rand(shape, seed=3).mul_(1e-3)
+    flat = x.view(-1)
+    flat[:64] = torch.linspace(-1, 1, 64) * (TINY / 4)       # one chunk of subnormals ...
+    flat[28:36] = 0.0                                        # ... and zeros among them (0 x inf)
+    whole = torch.full(shape, TINY / 8)                      # a tensor of nothing but subnormals and zeros
+    whole.view(-1)[::3] = 0.0
+    for t in (x, whole):
+        ef = ErrorFeedback(get_codec(spec))
+        sent = torch.zeros(t.numel(), dtype=torch.float64)
+        for r in range(3):
+            sent += decode_payload(ef.compress(t, seed=r, key="k")).view(-1).double()
+            residual = ef.residual("k")
+            assert torch.isfinite(sent).all() and torch.isfinite(residual).all(), f"round {r}"
+        assert torch.allclose(sent + residual.double(), 3 * t.view(-1).double(), rtol=0, atol=1e-9)
