@@ -86,6 +86,9 @@ DELTAPS_MODES ?= ps-local32:lowbit:bits=2,ps-local32x4o4:int8,ps-local32:chunkto
 # + per rate: at 1 Gbit/s two shard processes leave the workers more of the 2 cores (validation, 3 seeds:
 # docs/bench-select-clf-1gbit-shards-validation.json)
 DELTAPS_EXTRA_1gbit = ps-local32:int8:shards=2
+# at 100 Mbit/s the 2-bit round overlapping 2 inner steps (validation, 3 seeds: 2.82 s against 3.05 s without overlap,
+# faster in each seed; docs/bench-select-clf-100mbit-lowbit-overlap-validation.json)
+DELTAPS_EXTRA_100mbit = ps-local32o2:lowbit:bits=2
 # lm's step is compute-bound here (~100 ms with 4 workers on 2 cores: >= 40 s a mode), so its races run the best two
 # peers of the clf races and the best deltaps modes only (the six races, summed from separate runs: ~92 minutes,
 # docs/compare.md)
