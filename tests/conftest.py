@@ -1,9 +1,18 @@
+import os
 import threading
 
 import pytest
 
 from ps.server import start_server
 from ps.shard import Shard
+from worker.workloads.data_cache import CACHE_ENV
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kept_splits(tmp_path_factory):
+    """The session's workers (in process and spawned) keep the tabular splits they make in a directory of the
+    session's own, not in the user's ~/.cache."""
+    os.environ.setdefault(CACHE_ENV, str(tmp_path_factory.mktemp("data-cache")))
 
 
 class Cluster:

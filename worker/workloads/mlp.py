@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.workloads.base import Workload
+from worker.workloads.data_cache import kept
 
 
 def make_mlp(in_features: int = 64, hidden: int = 256, layers: int = 2, classes: int = 10, seed: int = 0) -> nn.Module:
@@ -83,6 +84,13 @@ def elastic_batches(x: torch.Tensor, y: torch.Tensor, rank: int, live, batch_siz
         yield next(it)
 
 
+def tabular_split(load: Callable, seed: int, validation: bool):
+    """load(seed): x_train, y_train, x_test, y_test; with `validation` the test set's place (x_test / y_test: what
+    evaluations measure) goes to a validation set held out of the training data, as large as the test set."""
+    x_tr, y_tr, x_te, y_te = load(seed)
+    return hold_out(x_tr, y_tr, len(y_te), seed) if validation else (x_tr, y_tr, x_te, y_te)
+
+
 class TabularWorkload(Workload):
     """An MLP (--hidden x --layers) on a standardised feature matrix; subclasses say where the data comes from
     (`load_split(seed)` -> x_train, y_train, x_test, y_test tensors, float32 / int64). With --eval-split validation
@@ -93,9 +101,8 @@ class TabularWorkload(Workload):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.x_tr, self.y_tr, self.x_te, self.y_te = self.load_split(cfg.seed)
-        if cfg.eval_split == "validation":     # x_te / y_te: what evaluations measure
-            self.x_tr, self.y_tr, self.x_te, self.y_te = hold_out(self.x_tr, self.y_tr, len(self.y_te), cfg.seed)
+        self.x_tr, self.y_tr, self.x_te, self.y_te = kept(tabular_split, (self.load_split,), self.load_split, cfg.seed,
+                                                          cfg.eval_split == "validation")
         self.classes = int(max(self.y_tr.max(), self.y_te.max())) + 1
 
     @staticmethod
