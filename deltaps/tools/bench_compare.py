@@ -25,13 +25,12 @@ import time
 import yaml
 
 from deltaps.config import DEVICES
-from deltaps.errors import JobFailed
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, cpu_roles, netns
 from deltaps.tools.bench_nodes import Nodes, cpu_figures, topology_nodes
 from deltaps.tools.bench_seeds import merge
 from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
-from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, tail_file, wait_port_file
+from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, wait_port_file, workers_failed
 from worker.trainers.strategy import load_job
 from worker.workloads import available_workloads, workload_class
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN
@@ -210,9 +209,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
         if failed is None:
             return bench_protocol.capped_run(bench_protocol.read_eval_logs(logs), cap_s, args.time_cap)
         if failed:
-            logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(d, f'worker{r}.log'))}"
-                             for r, c in failed)
-            raise JobFailed(f"mode {spec}: {len(failed)} worker(s) failed:\n{logs}")
+            raise workers_failed(failed, d, f"mode {spec}: ")
         after, cpu_after = net.counters(worker_nodes), net.cpu(worker_nodes)
     finally:
         if roles is not None:

@@ -143,9 +143,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                 print("deltaps launch: metrics at " + " ".join(metrics_urls), flush=True)
         failed = wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 2.0)
         if failed:
-            logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(tmp, f'worker{r}.log'))}"
-                             for r, c in failed)
-            raise JobFailed(f"{len(failed)} worker(s) failed:\n{logs}")
+            raise workers_failed(failed, tmp)
     finally:
         stop_processes(workers)
         stop_processes(servers)
@@ -186,6 +184,13 @@ def wait_workers(workers, timeout: float):
             return []
         time.sleep(0.1)
     return [(r, "timeout") for r, p in enumerate(workers) if p.poll() is None]
+
+
+def workers_failed(failed: list[tuple[int, int | str]], log_dir: str, job: str = "") -> JobFailed:
+    """The error for workers (rank, exit code) that failed: each one's code and the tail of log_dir/worker<rank>.log."""
+    logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(log_dir, f'worker{r}.log'))}"
+                     for r, c in failed)
+    return JobFailed(f"{job}{len(failed)} worker(s) failed:\n{logs}")
 
 
 def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> dict:
