@@ -42,7 +42,6 @@ class SharedEvaluations:
     def __init__(self, directory: str, evaluate: Callable[[nn.Module], dict]):
         os.makedirs(directory, exist_ok=True)
         self.directory, self.evaluate = directory, evaluate
-        self.shared = 0       # evaluations this rank read from another's (or its own earlier) result
 
     def __call__(self, model: nn.Module) -> dict:
         path = os.path.join(self.directory, f"eval-{model_digest(model)}.json")
@@ -50,7 +49,6 @@ class SharedEvaluations:
             fcntl.flock(lock, fcntl.LOCK_EX)       # released by close(), or by the kernel if this rank dies
             if os.path.exists(path):
                 with open(path) as f:
-                    self.shared += 1
                     return json.load(f)
             evaluation = self.evaluate(model)
             tmp = f"{path}.{os.getpid()}.tmp"
