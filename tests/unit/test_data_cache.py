@@ -45,7 +45,7 @@ def test_an_edited_source_is_a_new_entry_never_a_stale_one(tmp_path, monkeypatch
         sys.modules.pop("made_here", None)
         importlib.invalidate_caches()
         made_here = importlib.import_module("made_here")
-        results.append(kept(made_here.make, (), 1))
+        results.append(kept(made_here.make, 1))
     assert [float(r[0]) for r in results] == [2.0, 3.0, 2.0]
     assert len(list((tmp_path / "cache").rglob("output.pkl"))) == 2     # the third call read the first one's entry
 
@@ -53,8 +53,8 @@ def test_an_edited_source_is_a_new_entry_never_a_stale_one(tmp_path, monkeypatch
 def test_off_and_an_unwritable_directory_make_the_split(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, "off")
     assert data_cache.data_cache_dir() is None
-    assert torch.equal(kept(torch.arange, (), 4), torch.arange(4))
+    assert torch.equal(kept(torch.arange, 4), torch.arange(4))
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))       # under a file: no directory can be made there
-    assert torch.equal(kept(torch.arange, (), 5), torch.arange(5))
+    assert torch.equal(kept(torch.arange, 5), torch.arange(5))

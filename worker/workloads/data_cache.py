@@ -48,9 +48,9 @@ def _made(make: Callable, sources: str, *args):
     return make(*args)
 
 
-def kept(make: Callable, helpers: tuple[Callable, ...], *args):
-    """make(*args), read back from the cache when this host made it before (`helpers`: the functions outside
-    make's module whose code shapes the result)."""
+def kept(make: Callable, *args):
+    """make(*args), read back from the cache when this host made it before; keyed by the args and the source files
+    of make and of the functions among the args (a loader make calls)."""
     where = data_cache_dir()
     if where is None:
         return make(*args)
@@ -61,4 +61,4 @@ def kept(make: Callable, helpers: tuple[Callable, ...], *args):
         return make(*args)
     with warnings.catch_warnings():     # an unwritable entry: joblib warns and returns the result it made
         warnings.simplefilter("ignore")
-        return Memory(where, verbose=0).cache(_made)(make, sources_digest(make, *helpers), *args)
+        return Memory(where, verbose=0).cache(_made)(make, sources_digest(make, *filter(callable, args)), *args)

@@ -101,7 +101,7 @@ class TabularWorkload(Workload):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.x_tr, self.y_tr, self.x_te, self.y_te = kept(tabular_split, (self.load_split,), self.load_split, cfg.seed,
+        self.x_tr, self.y_tr, self.x_te, self.y_te = kept(tabular_split, self.load_split, cfg.seed,
                                                           cfg.eval_split == "validation")
         self.classes = int(max(self.y_tr.max(), self.y_te.max())) + 1
 
