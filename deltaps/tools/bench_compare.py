@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the shards (and torchft's Lighthouse) on the workers' machines: shard i in worker i mod W's "
                         "namespace, link and CPU cap, so ps modes use the peers' W links instead of S + W")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespaces")
+    p.add_argument("--no-zygotes", action="store_true",
+                   help="start every shard and worker as a fresh interpreter instead of forking it from its node's "
+                        "zygote, which imported torch once (deltaps/tools/zygote.py; start-up only, off the clock)")
     p.add_argument("--netns-prefix", default=netns.PREFIX,
                    help="name prefix of the namespaces/links this run creates (and whose stale leftovers it removes)")
     p.add_argument("--json", help="write the report JSON here")
@@ -150,7 +153,6 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     cfg_path = os.path.join(d, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
-    py = [sys.executable, "-m", "deltaps"]
     S, W = mode.shards or args.servers, args.workers     # a spec's shards=N: the first N shard nodes
     worker_nodes = list(range(args.servers, args.servers + W))    # nodes 0..servers-1 are shards, then workers
     servers, workers, script, slowing, roles = [], [], None, None, None
@@ -158,12 +160,10 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     try:
         if cfg.mode in ("ps", "hybrid"):
             for i in range(S):
-                log = open(os.path.join(d, f"server{i}.log"), "w")
-                servers.append(net.started(i, subprocess.Popen(
-                    net.prefix(i) + py + ["server", "--host", net.addr(i), "--port", "0", "--shard-id", str(i),
-                                          "--num-shards", str(S), "--port-file", os.path.join(d, f"server{i}.port"),
-                                          "--wait-timeout", str(args.timeout * 2)],
-                    stdout=log, stderr=subprocess.STDOUT)))
+                servers.append(net.spawn(i, ["server", "--host", net.addr(i), "--port", "0", "--shard-id", str(i),
+                                             "--num-shards", str(S), "--port-file", os.path.join(d, f"server{i}.port"),
+                                             "--wait-timeout", str(args.timeout * 2)],
+                                         os.path.join(d, f"server{i}.log")))
             addrs = [f"{net.addr(i)}:{wait_port_file(os.path.join(d, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
             target = ["--servers", ",".join(addrs)]
             if cfg.mode == "hybrid":   # + the gloo rendezvous of the dense part
@@ -185,14 +185,12 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
         def launch(r: int) -> subprocess.Popen:
             node = worker_nodes[r]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname(node)}
-            program = py + ["worker", *target, "--rank", str(r), "--world-size", str(W)]
-            if elastic:   # rank and world from torchrun (ranks may move between nodes at a restart)
-                program = bench_faults.torchrun_command(W, rendezvous, net.addr(node), r == 0) + ["deltaps", "worker"]
-                env.update(bench_faults.TORCHRUN_ENV)
-            return net.started(node, bench_faults.TreeProcess(
-                net.prefix(node) + program + ["--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"),
-                                              "--no-progress"],
-                stdout=open(os.path.join(d, f"worker{r}.log"), "a"), stderr=subprocess.STDOUT, env=env))
+            files = ["--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"), "--no-progress"]
+            log = os.path.join(d, f"worker{r}.log")      # appended: a restarted worker's log follows its first
+            if elastic:
+                return bench_faults.start_torchrun_worker(net, node, W, rendezvous, r == 0, files, log, env)
+            return net.spawn(node, ["worker", *target, "--rank", str(r), "--world-size", str(W), *files], log, env,
+                             append=True)
         workers.extend(launch(r) for r in range(W))
         if slow:
             slowing = bench_faults.CapOnceTraining(net.caps, worker_nodes[slow[0]], slow[1],
@@ -293,7 +291,8 @@ def compare(args) -> dict:
                               latency=args.latency, prefix=args.netns_prefix)
     caps = CpuCaps(args.cpus_per_worker, range(args.servers, args.servers + args.workers), args.netns_prefix) \
         if args.cpus_per_worker else None
-    net = Nodes(topo, caps, servers=args.servers, workers=args.workers, colocate=args.colocate)
+    net = Nodes(topo, caps, servers=args.servers, workers=args.workers, colocate=args.colocate,
+                zygotes=not args.no_zygotes)
     report["network"]["colocated"] = args.colocate
     old = netns.install_signal_handlers()
     tmp = tempfile.mkdtemp(prefix="deltaps-compare-")
@@ -314,6 +313,7 @@ def compare(args) -> dict:
         if caps:
             caps.up()
             report["cpu_caps"] = caps.describe()
+        net.start_zygotes(range(args.servers + args.workers))    # after the link probe: their imports take the CPU
         print(bench_report.header(report), flush=True)
         runs: dict[str, list[dict]] = {spec: [] for spec in specs}
         healthy: dict[str, list[dict]] = {spec: [] for spec in specs}     # --straggler / --kill: the same, no faults
@@ -360,6 +360,7 @@ def compare(args) -> dict:
         if healthy[specs[0]]:
             bench_faults.add_goodput(report, {spec: merge(r) if args.seeds > 1 else r[0] for spec, r in healthy.items()})
     finally:
+        net.close()
         if caps:
             caps.down()
         if topo:

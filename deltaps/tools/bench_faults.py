@@ -252,6 +252,16 @@ def torchrun_command(nodes: int, rendezvous: str, local_addr: str, hosts_store: 
             "--max-restarts", str(TORCHRUN_MAX_RESTARTS), "--monitor-interval", str(TORCHRUN_MONITOR_S), "-m"]
 
 
+def start_torchrun_worker(net, node: int, nodes: int, rendezvous: str, hosts_store: bool, worker_args: list[str],
+                          log: str, env: dict) -> "TreeProcess":
+    """`deltaps worker <worker_args>` under torchrun's agent on node i of a bench_nodes.Nodes (rank and world from
+    torchrun: ranks may move between nodes at a restart), output appended to log."""
+    program = torchrun_command(nodes, rendezvous, net.addr(node), hosts_store) + ["deltaps", "worker", *worker_args]
+    with open(log, "a") as out:
+        return net.started(node, TreeProcess(net.prefix(node) + program, stdout=out, stderr=subprocess.STDOUT,
+                                             env={**env, **TORCHRUN_ENV}))
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of pid (Linux /proc), children before their children."""
     out, todo = [], [pid]

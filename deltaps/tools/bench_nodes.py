@@ -5,8 +5,14 @@
 BytePS's colocated mode), so a ps race uses the peers' W links instead of S + W."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+
 from deltaps.tools import netns
 from deltaps.tools.cpu_caps import CpuCaps
+from deltaps.tools.zygote import Zygote
 
 
 def topology_nodes(servers: int, workers: int, colocate: bool) -> int:
@@ -16,9 +22,11 @@ def topology_nodes(servers: int, workers: int, colocate: bool) -> int:
 
 class Nodes:
     def __init__(self, topo: "netns.Topology | None", caps: CpuCaps | None = None, *, servers: int = 0,
-                 workers: int = 0, colocate: bool = False):
+                 workers: int = 0, colocate: bool = False, zygotes: bool = True):
         self.topo, self.caps = topo, caps
         self._shared = (servers, workers) if colocate else None
+        self._zygotes: dict[tuple, Zygote] | None = {} if zygotes else None
+        self._zygote_dir: str | None = None
 
     def host(self, i: int) -> int:
         """The node whose machine runs node i: i, or with --colocate a shard's worker node."""
@@ -47,6 +55,44 @@ class Nodes:
         if self.caps and self.host(i) in self.caps.nodes:
             self.caps.adopt(self.host(i), proc.pid)
         return proc
+
+    def spawn(self, i: int, argv: list[str], log: str, env: dict | None = None, append: bool = False):
+        """`deltaps <argv...>` on node i, output to log: forked from its machine's zygote (started on first use,
+        kept until close(): deltaps/tools/zygote.py), or with zygotes off a fresh `python -m deltaps`."""
+        if self._zygotes is None:
+            with open(log, "a" if append else "w") as out:
+                return self.started(i, subprocess.Popen(self.prefix(i) + [sys.executable, "-m", "deltaps", *argv],
+                                                        stdout=out, stderr=subprocess.STDOUT, env=env))
+        machine = tuple(self.prefix(i))
+        if machine not in self._zygotes:
+            self.start_zygotes([i])
+        return self.started(i, self._zygotes[machine].spawn(argv, log, env, append))
+
+    def start_zygotes(self, nodes) -> None:
+        """Start the zygotes of these nodes' machines side by side and wait for them (a zygote started by a spawn
+        would make that node's program start ~2 s after the others: start skew on the clock of a race's first run)."""
+        if self._zygotes is None:
+            return
+        self._zygote_dir = self._zygote_dir or tempfile.mkdtemp(prefix="deltaps-zygotes-")
+        started = []
+        for i in nodes:
+            machine = tuple(self.prefix(i))
+            if machine not in self._zygotes:
+                name = f"node{self.topology_index(i)}" if self.topo else "local"
+                self._zygotes[machine] = Zygote(os.path.join(self._zygote_dir, f"{name}.sock"), list(machine),
+                                                os.path.join(self._zygote_dir, f"{name}.log"))
+                started.append(self._zygotes[machine])
+        for zygote in started:
+            zygote.ready()
+
+    def close(self) -> None:
+        """Stop the zygotes (their children are the caller's to stop first)."""
+        for zygote in (self._zygotes or {}).values():
+            zygote.proc.terminate()        # all at once, then each waited for
+        for zygote in (self._zygotes or {}).values():
+            zygote.stop()
+        if self._zygotes:
+            self._zygotes.clear()
 
     def cpu(self, nodes) -> dict:
         """{node: (CPU seconds used, seconds throttled by the cap)} so far; {} without caps."""

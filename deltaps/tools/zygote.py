@@ -1,0 +1,301 @@
+"""Pre-warmed `deltaps` processes for local clusters: `python -m deltaps.tools.zygote SOCKET` imports torch once
+(and torch._dynamo, which torch.optim imports on its first call), then forks every `deltaps <command>` it is asked
+to run, so the child starts where a fresh interpreter would be after ~2 s of a core.
+
+Why: a bench race starts 8 processes per run (4 workers + 4 shards, or a Lighthouse) on 2 shared cores; measured
+here, a worker's start costs ~2.6 s of a core, ~2.1 of them those two imports, and a run's start-up took ~10.7 s of
+wall time before its first step — longer than the training it measures on clf. Started with a node's exec prefix
+(its network namespace, host name and mounts: deltaps/tools/netns.py), a zygote's children inherit all of it; the
+caller moves each child into the node's CPU cap by pid, as it does a fresh process.
+
+Protocol (a Unix socket: its path is reachable from every network namespace): the caller sends one JSON line
+{"argv": [...], "env": {...}, "cwd": ..., "log": path, "append": bool}; the zygote answers {"pid": N}, then, when
+the child exits, {"returncode": rc} (negative: killed by that signal, as subprocess reports it). The zygote stays
+single-threaded (a child forked while another thread held a lock would inherit it held).
+What a child does not get afresh: modules imported before the fork, and environment variables torch reads at
+import (the zygote's environment, i.e. the caller's, holds for those). Python's `random` reseeds at fork itself.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from deltaps.tools.bench_faults import descendants
+
+PRELOADED = ("torch", "torch._dynamo", "numpy")    # what costs a start its ~2 s of a core
+POLL_S = 0.05                                      # how soon a child's exit is reported
+UNKNOWN_EXIT = 255          # a child that outlived its zygote: its exit status is lost, so it counts as failed
+
+
+# ---- the zygote ---------------------------------------------------------------------------------------------------
+def serve(path: str) -> tuple[dict, int]:
+    """Accept requests until SIGTERM; fork one child per request. Returns only in a child: its request and the file
+    descriptor of its log (opened here, so a log that cannot be opened is the caller's error, not a dead child)."""
+    for name in PRELOADED:
+        __import__(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.path.exists(path + ".tmp"):
+        os.unlink(path + ".tmp")
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.replace(path + ".tmp", path)         # the path appears once the zygote can serve it
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    listener.settimeout(POLL_S)
+    children: dict[int, socket.socket] = {}
+    while not stopping:
+        reap(children)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        try:
+            with conn.makefile("r") as f:
+                request = parse_request(f.readline())
+            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC),
+                          0o644)
+        except (ValueError, OSError) as e:
+            reply(conn, {"error": str(e)})
+            conn.close()
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for c in (listener, conn, *children.values()):
+                c.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            return request, log
+        os.close(log)
+        reply(conn, {"pid": pid})
+        children[pid] = conn
+    listener.close()
+    os.unlink(path)
+    return {}, -1
+
+
+def parse_request(line: str) -> dict:
+    """One request line -> its fields, checked (ValueError names what is wrong)."""
+    request = json.loads(line)          # json.JSONDecodeError is a ValueError
+    fields = {"argv": list, "env": dict, "cwd": str, "log": str, "append": bool}
+    if not isinstance(request, dict) or any(not isinstance(request.get(k), t) for k, t in fields.items()):
+        raise ValueError(f"a request is a JSON object with {', '.join(f'{k} ({t.__name__})' for k, t in fields.items())}")
+    if not request["argv"] or not all(isinstance(a, str) for a in request["argv"]):
+        raise ValueError("argv must be a non-empty list of strings (a deltaps command and its arguments)")
+    return request
+
+
+def reply(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:     # the caller is gone: nobody to tell
+        pass
+
+
+def reap(children: dict[int, socket.socket]) -> None:
+    """Report every exited child's return code to the caller that started it."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            reply(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+            conn.close()
+
+
+def become(request: dict, log: int) -> None:
+    """In the forked child: the request's output, environment, directory and argv."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv = ["deltaps", *request["argv"]]
+
+
+def exit_status(code) -> int:
+    """What the interpreter makes of SystemExit(code)."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def leave(code: int) -> None:
+    """A child's last exit step: flush, then skip the teardown of torch's modules (~0.7 s of a core, measured;
+    the zygote's own atexit hooks, registered before the fork, only log and free)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: python -m deltaps.tools.zygote SOCKET")
+    request, log = serve(argv[0])
+    if not request:
+        leave(0)
+    become(request, log)
+    exit_code = [1]     # an exception out of the program leaves 1, as the interpreter would
+    atexit.register(lambda: leave(exit_code[0]))   # first registered, last run: after the program's own hooks
+    try:
+        runpy.run_module("deltaps", run_name="__main__", alter_sys=True)    # what `python -m deltaps` runs
+        exit_code[0] = 0
+    except SystemExit as e:
+        exit_code[0] = exit_status(e.code)
+    raise SystemExit(exit_code[0])     # the interpreter's own exit: joins the program's threads, runs its hooks
+
+
+# ---- the caller's side --------------------------------------------------------------------------------------------
+class ZygoteUnavailable(RuntimeError):
+    pass
+
+
+class Zygote:
+    """One zygote process, started with an exec prefix (a node's namespace) or none (this machine)."""
+
+    def __init__(self, path: str, prefix: list[str] = (), log: str | None = None):
+        """Starts the zygote; ready() waits until it serves (start several, then wait for each)."""
+        self.path, self.log = path, log
+        out = open(log or os.devnull, "w")
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "deltaps.tools.zygote", path],
+                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        out.close()
+
+    def ready(self, timeout: float = 120.0) -> "Zygote":
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise ZygoteUnavailable(f"zygote at {self.path} did not start (exit {self.proc.returncode}; "
+                                        f"log {self.log})")
+            time.sleep(0.02)
+        return self
+
+    def spawn(self, argv: list[str], log: str, env: dict | None = None, append: bool = False) -> "Forked":
+        """`deltaps <argv...>` forked from the zygote, stdout and stderr to log."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            conn.sendall(json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env),
+                                     "cwd": os.getcwd(), "log": os.path.abspath(log), "append": append}).encode()
+                         + b"\n")
+            received = b""
+            while b"\n" not in received:      # byte-exact: the exit report may follow in the same segment
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise OSError(f"closed the connection without starting {argv[:1]}")
+                received += chunk
+        except OSError as e:
+            conn.close()
+            raise ZygoteUnavailable(f"zygote at {self.path}: {e}") from e
+        answer, rest = received.split(b"\n", 1)
+        answer = json.loads(answer)
+        if "error" in answer:
+            conn.close()
+            raise ValueError(f"zygote at {self.path} refused `deltaps {' '.join(argv[:1])}`: {answer['error']}")
+        return Forked(answer["pid"], conn, ["deltaps", *argv], rest)
+
+    def stop(self) -> None:
+        self.proc.poll()
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Forked:
+    """A zygote's child, with the subprocess.Popen calls the launchers use (poll, wait, send_signal, terminate,
+    kill). kill() takes the child's whole process tree, as bench_faults.TreeProcess does."""
+
+    def __init__(self, pid: int, conn: socket.socket, args: list[str], received: bytes = b""):
+        self.pid, self.args, self.returncode = pid, args, None
+        self._conn, self._buf = conn, received
+
+    def _read(self, timeout: float | None) -> None:
+        if self._conn is None:       # the zygote died first: the orphan can only be watched, not waited for
+            if not self._alive():
+                self.returncode = UNKNOWN_EXIT
+            elif timeout:
+                time.sleep(min(timeout, POLL_S))
+            return
+        ready = selectors.DefaultSelector()
+        ready.register(self._conn, selectors.EVENT_READ)
+        try:
+            if not ready.select(timeout):
+                return
+        finally:
+            ready.close()
+        chunk = self._conn.recv(4096)
+        self._buf += chunk
+        if b"\n" in self._buf:
+            self.returncode = json.loads(self._buf.split(b"\n", 1)[0])["returncode"]
+        if self.returncode is not None or not chunk:
+            self._conn.close()
+            self._conn = None
+
+    def _alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._read(POLL_S * 4 if left is None else min(left, POLL_S * 4))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            for pid in descendants(self.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.send_signal(signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,96 @@
+"""deltaps/tools/zygote.py: real zygote processes forking real `deltaps` commands (no namespaces: the bench's use
+with them is tests/cluster/test_bench_compare.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from deltaps.tools.zygote import UNKNOWN_EXIT, Zygote, ZygoteUnavailable
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zygote")
+    z = Zygote(str(d / "z.sock"), log=str(d / "z.log")).ready()
+    yield z
+    z.stop()
+    assert z.proc.returncode == 0 and not os.path.exists(z.path)   # a stop is clean and removes the socket
+
+
+def started_server(zygote, tmp_path, name="s"):
+    port_file = tmp_path / f"{name}.port"
+    proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0", "--num-shards", "1",
+                         "--port-file", str(port_file)], str(tmp_path / f"{name}.log"))
+    deadline = time.monotonic() + 30
+    while not (port_file.exists() and port_file.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()
+        time.sleep(0.02)
+    return proc, int(port_file.read_text())
+
+
+def test_a_child_runs_the_command_with_the_callers_environment_directory_and_log(zygote, tmp_path, monkeypatch):
+    log = tmp_path / "bad.log"
+    env = {**os.environ, "DELTAPS_NUM_SHARDS": "not-a-number"}
+    proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0"], str(log), env)
+    assert proc.wait(30) == 2
+    assert "$DELTAPS_NUM_SHARDS='not-a-number' is not an integer" in log.read_text()
+    # append: a second run's output follows the first; the working directory is the caller's
+    monkeypatch.chdir(tmp_path)
+    proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0", "--num-shards", "1",
+                         "--port-file", "relative.port", "--no-such-flag"], str(log), append=True)
+    assert proc.wait(30) == 2
+    text = log.read_text()
+    assert "not-a-number" in text and "unrecognized arguments: --no-such-flag" in text
+
+
+def test_a_served_child_stops_on_sigterm_and_a_killed_one_reports_the_signal(zygote, tmp_path):
+    proc, port = started_server(zygote, tmp_path, "graceful")
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass                      # it serves on the port it wrote
+    proc.terminate()
+    assert proc.wait(30) == 0     # the shard's graceful stop, exit code passed through
+    proc, _ = started_server(zygote, tmp_path, "killed")
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.1)
+    proc.kill()
+    assert proc.wait(30) == -signal.SIGKILL
+    proc.kill()                   # a second kill of a dead child is a no-op
+
+
+def test_bad_requests_are_refused_and_the_zygote_serves_on(zygote, tmp_path):
+    for line in (b"not json\n", b'{"argv": "server"}\n', b"[1, 2]\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(zygote.path)
+            s.sendall(line)
+            assert b'"error"' in s.makefile("rb").readline()
+    with pytest.raises(ValueError, match="no-such-dir"):
+        zygote.spawn(["server", "--help"], str(tmp_path / "no-such-dir" / "x.log"))
+    proc = zygote.spawn(["server", "--help"], str(tmp_path / "help.log"))
+    assert proc.wait(30) == 0 and "--shard-id" in (tmp_path / "help.log").read_text()
+
+
+def test_a_child_that_outlives_its_zygote_is_watched_to_its_end(tmp_path):
+    z = Zygote(str(tmp_path / "z.sock"), log=str(tmp_path / "z.log")).ready()
+    try:
+        proc, _ = started_server(z, tmp_path)
+        z.proc.kill()
+        z.proc.wait()
+        assert proc.poll() is None                    # still running, reparented
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == UNKNOWN_EXIT          # its status went with the zygote: counted as failed
+    finally:
+        z.stop()
+    with pytest.raises(ZygoteUnavailable):            # a dead zygote starts nothing
+        z.spawn(["server", "--help"], str(tmp_path / "x.log"))
+
+
+def test_a_zygote_that_cannot_start_says_so(tmp_path):
+    z = Zygote(str(tmp_path / "no-such-dir" / "z.sock"), log=str(tmp_path / "z.log"))
+    with pytest.raises(ZygoteUnavailable, match="did not start"):
+        z.ready(timeout=60)
