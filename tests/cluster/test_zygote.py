@@ -94,3 +94,30 @@ def test_a_zygote_that_cannot_start_says_so(tmp_path):
     z = Zygote(str(tmp_path / "no-such-dir" / "z.sock"), log=str(tmp_path / "z.log"))
     with pytest.raises(ZygoteUnavailable, match="did not start"):
         z.ready(timeout=60)
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("zygotes", [True, False])
+def test_a_bench_machine_forks_its_programs_from_one_zygote_unless_told_not_to(tmp_path, zygotes):
+    from deltaps.tools.bench_nodes import Nodes
+    net = Nodes(None, zygotes=zygotes)      # no topology: every node is this machine
+    procs = []
+    try:
+        for i in range(2):
+            port_file = tmp_path / f"s{i}.port"
+            procs.append(net.spawn(i, ["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", str(i),
+                                       "--num-shards", "2", "--port-file", str(port_file)], str(tmp_path / f"s{i}.log")))
+            while not (port_file.exists() and port_file.read_text().strip()):
+                assert procs[-1].poll() is None, (tmp_path / f"s{i}.log").read_text()
+                time.sleep(0.02)
+        parents = {parent_of(p.pid) for p in procs}
+        assert (parents == {os.getpid()}) != zygotes and len(parents) == 1
+    finally:
+        for p in procs:
+            p.terminate()
+            assert p.wait(30) == 0
+        net.close()
