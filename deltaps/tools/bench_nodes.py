@@ -59,14 +59,14 @@ class Nodes:
     def spawn(self, i: int, argv: list[str], log: str, env: dict | None = None, append: bool = False):
         """`deltaps <argv...>` on node i, output to log: forked from its machine's zygote (started on first use,
         kept until close(): deltaps/tools/zygote.py), or with zygotes off a fresh `python -m deltaps`."""
-        if self._zygotes is None:
-            with open(log, "a" if append else "w") as out:
-                return self.started(i, subprocess.Popen(self.prefix(i) + [sys.executable, "-m", "deltaps", *argv],
-                                                        stdout=out, stderr=subprocess.STDOUT, env=env))
         machine = tuple(self.prefix(i))
-        if machine not in self._zygotes:
+        if self._zygotes is not None and machine not in self._zygotes:
             self.start_zygotes([i])
-        return self.started(i, self._zygotes[machine].spawn(argv, log, env, append))
+        with open(log, "a" if append else "w") as out:
+            if self._zygotes is None:
+                return self.started(i, subprocess.Popen([*machine, sys.executable, "-m", "deltaps", *argv],
+                                                        stdout=out, stderr=subprocess.STDOUT, env=env))
+            return self.started(i, self._zygotes[machine].spawn(argv, out, env))
 
     def start_zygotes(self, nodes) -> None:
         """Start the zygotes of these nodes' machines side by side and wait for them (a zygote started by a spawn

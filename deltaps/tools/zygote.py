@@ -9,8 +9,9 @@ wall time before its first step — longer than the training it measures on clf.
 caller moves each child into the node's CPU cap by pid, as it does a fresh process.
 
 Protocol (a Unix socket: its path is reachable from every network namespace): the caller sends one JSON line
-{"argv": [...], "env": {...}, "cwd": ..., "log": path, "append": bool}; the zygote answers {"pid": N}, then, when
-the child exits, {"returncode": rc} (negative: killed by that signal, as subprocess reports it). The zygote stays
+{"argv": [...], "env": {...}, "cwd": ...} with the child's stdout as a file descriptor beside it (SCM_RIGHTS: a log
+file the caller opened, or its own terminal); the zygote answers {"pid": N}, then, when the child exits,
+{"returncode": rc} (negative: killed by that signal, as subprocess reports it). The zygote stays
 single-threaded (a child forked while another thread held a lock would inherit it held).
 What a child does not get afresh: modules imported before the fork, and environment variables torch reads at
 import (the zygote's environment, i.e. the caller's, holds for those). Python's `random` reseeds at fork itself.
@@ -39,7 +40,7 @@ UNKNOWN_EXIT = 255          # a child that outlived its zygote: its exit status 
 # ---- the zygote ---------------------------------------------------------------------------------------------------
 def serve(path: str) -> tuple[dict, int]:
     """Accept requests until SIGTERM; fork one child per request. Returns only in a child: its request and the file
-    descriptor of its log (opened here, so a log that cannot be opened is the caller's error, not a dead child)."""
+    descriptor its output goes to."""
     for name in PRELOADED:
         __import__(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -50,6 +51,7 @@ def serve(path: str) -> tuple[dict, int]:
     os.replace(path + ".tmp", path)         # the path appears once the zygote can serve it
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # a Ctrl-C reaches the caller, which stops children, then us
     listener.settimeout(POLL_S)
     children: dict[int, socket.socket] = {}
     while not stopping:
@@ -58,13 +60,17 @@ def serve(path: str) -> tuple[dict, int]:
             conn, _ = listener.accept()
         except TimeoutError:
             continue
-        conn.settimeout(None)
+        conn.settimeout(5.0)        # a caller that connects and sends nothing does not stall the others
+        fds = []
         try:
-            with conn.makefile("r") as f:
-                request = parse_request(f.readline())
-            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC),
-                          0o644)
+            request, fds = receive_request(conn)
+            conn.settimeout(None)
+            if len(fds) != 1:
+                raise ValueError(f"a request carries the child's stdout as one file descriptor, got {len(fds)}")
+            log = fds.pop()
         except (ValueError, OSError) as e:
+            for fd in fds:
+                os.close(fd)
             reply(conn, {"error": str(e)})
             conn.close()
             continue
@@ -75,6 +81,7 @@ def serve(path: str) -> tuple[dict, int]:
             for c in (listener, conn, *children.values()):
                 c.close()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)     # as a fresh interpreter has them
             return request, log
         os.close(log)
         reply(conn, {"pid": pid})
@@ -84,10 +91,26 @@ def serve(path: str) -> tuple[dict, int]:
     return {}, -1
 
 
+def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One request line and the file descriptors sent with it (they come with its first bytes)."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+    while data and not data.endswith(b"\n"):
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return parse_request(data.decode()), fds
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
 def parse_request(line: str) -> dict:
     """One request line -> its fields, checked (ValueError names what is wrong)."""
     request = json.loads(line)          # json.JSONDecodeError is a ValueError
-    fields = {"argv": list, "env": dict, "cwd": str, "log": str, "append": bool}
+    fields = {"argv": list, "env": dict, "cwd": str}
     if not isinstance(request, dict) or any(not isinstance(request.get(k), t) for k, t in fields.items()):
         raise ValueError(f"a request is a JSON object with {', '.join(f'{k} ({t.__name__})' for k, t in fields.items())}")
     if not request["argv"] or not all(isinstance(a, str) for a in request["argv"]):
@@ -191,14 +214,16 @@ class Zygote:
             time.sleep(0.02)
         return self
 
-    def spawn(self, argv: list[str], log: str, env: dict | None = None, append: bool = False) -> "Forked":
-        """`deltaps <argv...>` forked from the zygote, stdout and stderr to log."""
+    def spawn(self, argv: list[str], stdout=None, env: dict | None = None) -> "Forked":
+        """`deltaps <argv...>` forked from the zygote, its stdout and stderr to stdout (a file or a descriptor;
+        None: this process's stdout), as subprocess.Popen(..., stdout=stdout, stderr=STDOUT) would."""
+        out = sys.stdout.fileno() if stdout is None else stdout if isinstance(stdout, int) else stdout.fileno()
+        request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env), "cwd": os.getcwd()})
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
-            conn.sendall(json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env),
-                                     "cwd": os.getcwd(), "log": os.path.abspath(log), "append": append}).encode()
-                         + b"\n")
+            data = request.encode() + b"\n"
+            conn.sendall(data[socket.send_fds(conn, [data], [out]):])    # the descriptor rides the first bytes
             received = b""
             while b"\n" not in received:      # byte-exact: the exit report may follow in the same segment
                 chunk = conn.recv(4096)

@@ -2,6 +2,7 @@
 with them is tests/cluster/test_bench_compare.py)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -24,8 +25,9 @@ def zygote(tmp_path_factory):
 
 def started_server(zygote, tmp_path, name="s"):
     port_file = tmp_path / f"{name}.port"
-    proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0", "--num-shards", "1",
-                         "--port-file", str(port_file)], str(tmp_path / f"{name}.log"))
+    with open(tmp_path / f"{name}.log", "w") as log:
+        proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0", "--num-shards", "1",
+                             "--port-file", str(port_file)], log)
     deadline = time.monotonic() + 30
     while not (port_file.exists() and port_file.read_text().strip()):
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()
@@ -33,19 +35,31 @@ def started_server(zygote, tmp_path, name="s"):
     return proc, int(port_file.read_text())
 
 
-def test_a_child_runs_the_command_with_the_callers_environment_directory_and_log(zygote, tmp_path, monkeypatch):
+def test_a_child_runs_the_command_with_the_callers_environment_directory_and_output(zygote, tmp_path, monkeypatch):
     log = tmp_path / "bad.log"
     env = {**os.environ, "DELTAPS_NUM_SHARDS": "not-a-number"}
-    proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0"], str(log), env)
+    with open(log, "w") as out:
+        proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0"], out, env)
     assert proc.wait(30) == 2
     assert "$DELTAPS_NUM_SHARDS='not-a-number' is not an integer" in log.read_text()
-    # append: a second run's output follows the first; the working directory is the caller's
+    # output to the descriptor given (here appended to the same log); the working directory is the caller's
     monkeypatch.chdir(tmp_path)
-    proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0", "--num-shards", "1",
-                         "--port-file", "relative.port", "--no-such-flag"], str(log), append=True)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    try:
+        proc = zygote.spawn(["server", "--host", "127.0.0.1", "--port", "0", "--shard-id", "0", "--num-shards", "1",
+                             "--port-file", "relative.port", "--no-such-flag"], fd)
+    finally:
+        os.close(fd)
     assert proc.wait(30) == 2
     text = log.read_text()
     assert "not-a-number" in text and "unrecognized arguments: --no-such-flag" in text
+    proc, _ = started_server(zygote, tmp_path, "cwd")
+    try:
+        os.chdir(tmp_path.parent)       # the child keeps the directory it was started in
+        assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_a_served_child_stops_on_sigterm_and_a_killed_one_reports_the_signal(zygote, tmp_path):
@@ -64,15 +78,23 @@ def test_a_served_child_stops_on_sigterm_and_a_killed_one_reports_the_signal(zyg
 
 
 def test_bad_requests_are_refused_and_the_zygote_serves_on(zygote, tmp_path):
-    for line in (b"not json\n", b'{"argv": "server"}\n', b"[1, 2]\n"):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(zygote.path)
-            s.sendall(line)
-            assert b'"error"' in s.makefile("rb").readline()
-    with pytest.raises(ValueError, match="no-such-dir"):
-        zygote.spawn(["server", "--help"], str(tmp_path / "no-such-dir" / "x.log"))
-    proc = zygote.spawn(["server", "--help"], str(tmp_path / "help.log"))
+    good = {"argv": ["server", "--help"], "env": dict(os.environ), "cwd": str(tmp_path)}
+    with open(tmp_path / "unused.log", "w") as out:
+        for line, fds, why in ((b"not json\n", [out.fileno()], b"Expecting value"),
+                               (b'{"argv": "server"}\n', [out.fileno()], b"JSON object with argv"),
+                               (json.dumps({**good, "argv": []}).encode() + b"\n", [out.fileno()], b"non-empty"),
+                               (json.dumps(good).encode() + b"\n", [], b"one file descriptor, got 0")):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(zygote.path)
+                socket.send_fds(s, [line], fds)
+                answer = s.makefile("rb").readline()
+                assert b'"error"' in answer and why in answer, answer
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:   # connects, sends nothing
+            silent.connect(zygote.path)
+            with open(tmp_path / "help.log", "w") as log:
+                proc = zygote.spawn(["server", "--help"], log)         # served after the silent one times out
     assert proc.wait(30) == 0 and "--shard-id" in (tmp_path / "help.log").read_text()
+    assert (tmp_path / "unused.log").read_text() == ""
 
 
 def test_a_child_that_outlives_its_zygote_is_watched_to_its_end(tmp_path):
@@ -86,8 +108,8 @@ def test_a_child_that_outlives_its_zygote_is_watched_to_its_end(tmp_path):
         assert proc.wait(30) == UNKNOWN_EXIT          # its status went with the zygote: counted as failed
     finally:
         z.stop()
-    with pytest.raises(ZygoteUnavailable):            # a dead zygote starts nothing
-        z.spawn(["server", "--help"], str(tmp_path / "x.log"))
+    with open(os.devnull, "w") as out, pytest.raises(ZygoteUnavailable):      # a dead zygote starts nothing
+        z.spawn(["server", "--help"], out)
 
 
 def test_a_zygote_that_cannot_start_says_so(tmp_path):
