@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
                     "\"--checkpoint-dir /tmp/ck --checkpoint-every-steps 50 --worker-timeout 10\"")
     la.add_argument("--metrics", action="store_true",
                     help="start a Prometheus exporter in every server and worker (free ports; URLs printed)")
+    la.add_argument("--no-zygote", action="store_true",
+                    help="start every shard and worker as a fresh interpreter instead of forking it from one process "
+                         "that imported torch once (deltaps/tools/zygote.py)")
     add_security_args(la, "launch")
     add_train_args(la)
 
@@ -27,7 +30,7 @@ def run(args) -> int:
 
     from deltaps.security import LaunchSecurity
     summary = launch(cfg, args.json, metrics=args.metrics, security=LaunchSecurity.from_args(args),
-                     server_args=shlex.split(args.server_args or ""))
+                     server_args=shlex.split(args.server_args or ""), zygote=not args.no_zygote)
     print_summary(summary)
     long = ("per_worker", "server_stats", "loss_curve_rank0", "bytes_pushed_wire_steps_rank0")   # in --json
     print(json.dumps({k: v for k, v in summary.items() if k not in long}, indent=2))

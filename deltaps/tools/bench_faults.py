@@ -21,9 +21,7 @@ no result: the mode's figures come from the workers that finished.
 """
 from __future__ import annotations
 
-import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +32,7 @@ from dataclasses import dataclass
 
 from deltaps.config import parse_straggler
 from deltaps.tools.bench_protocol import read_eval_logs, started
+from deltaps.tools.process_tree import kill_descendants
 
 KILL = re.compile(r"(\d+)@(\d+(?:\.\d+)?)(%?)(?::restart=(\d+(?:\.\d+)?))?")
 
@@ -262,34 +261,10 @@ def start_torchrun_worker(net, node: int, nodes: int, rendezvous: str, hosts_sto
                                              env={**env, **TORCHRUN_ENV}))
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of pid (Linux /proc), children before their children."""
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except FileNotFoundError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(c) for c in f.read().split()]
-            except FileNotFoundError:
-                continue
-            out.extend(kids)
-            todo.extend(kids)
-    return out
-
-
 class TreeProcess(subprocess.Popen):
     """A worker's process whose kill() is the death of its whole tree (SIGKILL to every descendant, then itself):
     torchrun's agent runs its worker in a session of its own, which a kill of the agent alone would leave running."""
 
     def kill(self) -> None:
-        for pid in descendants(self.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_descendants(self.pid)
         super().kill()

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from deltaps.tools.bench_faults import descendants
+from deltaps.tools.process_tree import descendants
 
 PERIOD_S = 0.25
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")

@@ -1,6 +1,7 @@
 """`deltaps launch`: a local cluster of real processes on loopback — shards, then workers — and a summary."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import yaml
 
 from deltaps.config import TrainConfig
 from deltaps.errors import JobFailed
+from deltaps.tools.zygote import Zygote
 from worker.trainers.strategy import strategy_class
 
 
@@ -83,11 +85,13 @@ def _metrics_args(on: bool, host: str, port_file: str) -> list[str]:
 
 
 def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.1", quiet: bool = False,
-           metrics: bool = False, security=None, server_args: list[str] | None = None) -> dict:
+           metrics: bool = False, security=None, server_args: list[str] | None = None, zygote: bool = True) -> dict:
     """metrics: start a Prometheus exporter in every server and (ps-mode) worker; the summary's
     metrics_urls lists them (they live as long as the cluster does).
     security: a deltaps.security.LaunchSecurity; its token reaches the children as $DELTAPS_TOKEN (never argv),
-    its TLS files as --tls-* flags."""
+    its TLS files as --tls-* flags.
+    zygote: fork the shards and workers from one process that imported torch once (deltaps/tools/zygote.py: ~2 s of
+    a core less per process); False: a fresh interpreter each."""
     from deltaps.security import LaunchSecurity
     security = security or LaunchSecurity()
     child_env = security.child_env()
@@ -96,20 +100,17 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     cfg_path = os.path.join(tmp, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
-    py = [sys.executable, "-m", "deltaps"]
     servers, workers = [], []
     metrics_urls: list[str] = []
     needs = strategy_class(cfg.mode)    # what the mode needs beside its workers: shards, a rendezvous, a Lighthouse
+    start = Starter(os.path.join(tmp, "zygote") if zygote else None, child_env)
     try:
         for i in range(cfg.servers if needs.needs_servers else 0):
-            log = open(os.path.join(tmp, f"server{i}.log"), "w")
-            servers.append(subprocess.Popen(py + ["server", "--host", host, "--port", "0", "--shard-id", str(i),
-                                                  "--num-shards", str(cfg.servers), "--port-file",
-                                                  os.path.join(tmp, f"server{i}.port"),
-                                                  *_metrics_args(metrics, host,
-                                                                 os.path.join(tmp, f"server{i}.metrics.port")),
-                                                  *security.server.argv("server"), *(server_args or [])],
-                                            stdout=log, stderr=subprocess.STDOUT, env=child_env))
+            with open(os.path.join(tmp, f"server{i}.log"), "w") as log:
+                servers.append(start(["server", "--host", host, "--port", "0", "--shard-id", str(i),
+                                      "--num-shards", str(cfg.servers), "--port-file", os.path.join(tmp, f"server{i}.port"),
+                                      *_metrics_args(metrics, host, os.path.join(tmp, f"server{i}.metrics.port")),
+                                      *security.server.argv("server"), *(server_args or [])], log))
         addrs = [f"{host}:{wait_port_file(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
         target = ["--servers", ",".join(addrs)] if needs.needs_servers else []
         if needs.collective:         # a gloo rendezvous (DDP, hybrid's dense allreduce, pipeline stages' p2p)
@@ -124,15 +125,15 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
             print(f"deltaps launch: {cfg.servers} shards at {','.join(addrs)}; {cfg.workers} workers, "
                   f"sync={cfg.sync} codec={cfg.codec}", flush=True)
         for r in range(cfg.workers):
-            show = r == 0 and cfg.progress and not quiet
-            out = None if show else open(os.path.join(tmp, f"worker{r}.log"), "w")
-            workers.append(subprocess.Popen(
-                py + ["worker", *target, "--rank", str(r), "--world-size", str(cfg.workers),
-                      "--config", cfg_path, "--result-json", os.path.join(tmp, f"worker{r}.json"),
-                      "--progress" if show else "--no-progress",
-                      *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port")),
-                      *(security.client.argv("client") if needs.needs_servers else [])],
-                stdout=out, stderr=None if show else subprocess.STDOUT, env=child_env))
+            show = r == 0 and cfg.progress and not quiet      # rank 0's progress bar on this terminal
+            with contextlib.nullcontext() if show else open(os.path.join(tmp, f"worker{r}.log"), "w") as log:
+                workers.append(start(
+                    ["worker", *target, "--rank", str(r), "--world-size", str(cfg.workers),
+                     "--config", cfg_path, "--result-json", os.path.join(tmp, f"worker{r}.json"),
+                     "--progress" if show else "--no-progress",
+                     *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port")),
+                     *(security.client.argv("client") if needs.needs_servers else [])],
+                    log))
         if metrics:
             metrics_urls = [f"http://{host}:{wait_port_file(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
                             for i, p in enumerate(servers)]
@@ -147,6 +148,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     finally:
         stop_processes(workers)
         stop_processes(servers)
+        start.close()
     results = [json.load(open(os.path.join(tmp, f"worker{r}.json"))) for r in range(cfg.workers)]
     summary = summarize(cfg, results, time.perf_counter() - t_launch)
     summary["metrics_urls"] = metrics_urls
@@ -154,6 +156,25 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+class Starter:
+    """Starts `deltaps <argv...>` processes of a local cluster: forked from a zygote when given its socket path
+    (started here, stopped by close()), else fresh interpreters; output to a log file, or None: this terminal."""
+
+    def __init__(self, zygote_path: str | None, env: dict):
+        self.env = env
+        self.zygote = Zygote(zygote_path, log=zygote_path + ".log").ready() if zygote_path else None
+
+    def __call__(self, argv: list[str], log=None):
+        if self.zygote is not None:
+            return self.zygote.spawn(argv, log, self.env, stderr=None if log is not None else sys.stderr)
+        return subprocess.Popen([sys.executable, "-m", "deltaps", *argv], stdout=log,
+                                stderr=None if log is None else subprocess.STDOUT, env=self.env)
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.stop()
 
 
 def start_lighthouse(host: str, replicas: int, log, prefix: list[str] = (), port: int | None = None) -> subprocess.Popen:

@@ -9,16 +9,19 @@ wall time before its first step — longer than the training it measures on clf.
 caller moves each child into the node's CPU cap by pid, as it does a fresh process.
 
 Protocol (a Unix socket: its path is reachable from every network namespace): the caller sends one JSON line
-{"argv": [...], "env": {...}, "cwd": ...} with the child's stdout as a file descriptor beside it (SCM_RIGHTS: a log
-file the caller opened, or its own terminal); the zygote answers {"pid": N}, then, when the child exits,
-{"returncode": rc} (negative: killed by that signal, as subprocess reports it). The zygote stays
+{"argv": [...], "env": {...}, "cwd": ...} with the child's stdout (and, if it differs, stderr) as file descriptors
+beside it (SCM_RIGHTS: a log file the caller opened, or its own terminal); the zygote answers {"pid": N}, then,
+when the child exits, {"returncode": rc} (negative: killed by that signal, as subprocess reports it). The zygote stays
 single-threaded (a child forked while another thread held a lock would inherit it held).
-What a child does not get afresh: modules imported before the fork, and environment variables torch reads at
-import (the zygote's environment, i.e. the caller's, holds for those). Python's `random` reseeds at fork itself.
+What a child does not get afresh: modules imported before the fork (frozen out of the garbage collector, gc.freeze,
+so a child's collections neither walk them nor copy their pages), and environment variables torch reads at import
+(the zygote's environment, i.e. the caller's, holds for those). Python's `random` reseeds at fork itself. `ps`
+shows a child with the zygote's command line.
 """
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import os
@@ -30,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from deltaps.tools.bench_faults import descendants
+from deltaps.tools.process_tree import kill_descendants
 
 PRELOADED = ("torch", "torch._dynamo", "numpy")    # what costs a start its ~2 s of a core
 POLL_S = 0.05                                      # how soon a child's exit is reported
@@ -38,11 +41,13 @@ UNKNOWN_EXIT = 255          # a child that outlived its zygote: its exit status 
 
 
 # ---- the zygote ---------------------------------------------------------------------------------------------------
-def serve(path: str) -> tuple[dict, int]:
+def serve(path: str) -> tuple[dict, list[int]]:
     """Accept requests until SIGTERM; fork one child per request. Returns only in a child: its request and the file
-    descriptor its output goes to."""
+    descriptors of its stdout and stderr."""
+    gc.disable()            # what the imports free would leave holes in pages the children share
     for name in PRELOADED:
         __import__(name)
+    gc.freeze()             # a child's collections then never write to the preloaded objects (copy-on-write)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if os.path.exists(path + ".tmp"):
         os.unlink(path + ".tmp")
@@ -65,9 +70,9 @@ def serve(path: str) -> tuple[dict, int]:
         try:
             request, fds = receive_request(conn)
             conn.settimeout(None)
-            if len(fds) != 1:
-                raise ValueError(f"a request carries the child's stdout as one file descriptor, got {len(fds)}")
-            log = fds.pop()
+            if len(fds) not in (1, 2):
+                raise ValueError(f"a request carries the child's stdout (and stderr) as 1 or 2 file descriptors, "
+                                 f"got {len(fds)}")
         except (ValueError, OSError) as e:
             for fd in fds:
                 os.close(fd)
@@ -82,13 +87,15 @@ def serve(path: str) -> tuple[dict, int]:
                 c.close()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)     # as a fresh interpreter has them
-            return request, log
-        os.close(log)
+            gc.enable()
+            return request, fds
+        for fd in fds:
+            os.close(fd)
         reply(conn, {"pid": pid})
         children[pid] = conn
     listener.close()
     os.unlink(path)
-    return {}, -1
+    return {}, []
 
 
 def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -140,14 +147,14 @@ def reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def become(request: dict, log: int) -> None:
+def become(request: dict, fds: list[int]) -> None:
     """In the forked child: the request's output, environment, directory and argv."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[-1], 2)
+    for fd in {null, *fds} - {0, 1, 2}:
+        os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -174,10 +181,10 @@ def leave(code: int) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python -m deltaps.tools.zygote SOCKET")
-    request, log = serve(argv[0])
+    request, fds = serve(argv[0])
     if not request:
         leave(0)
-    become(request, log)
+    become(request, fds)
     exit_code = [1]     # an exception out of the program leaves 1, as the interpreter would
     atexit.register(lambda: leave(exit_code[0]))   # first registered, last run: after the program's own hooks
     try:
@@ -214,16 +221,18 @@ class Zygote:
             time.sleep(0.02)
         return self
 
-    def spawn(self, argv: list[str], stdout=None, env: dict | None = None) -> "Forked":
-        """`deltaps <argv...>` forked from the zygote, its stdout and stderr to stdout (a file or a descriptor;
-        None: this process's stdout), as subprocess.Popen(..., stdout=stdout, stderr=STDOUT) would."""
-        out = sys.stdout.fileno() if stdout is None else stdout if isinstance(stdout, int) else stdout.fileno()
+    def spawn(self, argv: list[str], stdout=None, env: dict | None = None, stderr=None) -> "Forked":
+        """`deltaps <argv...>` forked from the zygote, its output to stdout (a file or a descriptor; None: this
+        process's), its errors to stderr (None: with the output, as Popen's stderr=STDOUT)."""
+        fd = lambda f, own: own.fileno() if f is None else f if isinstance(f, int) else f.fileno()  # noqa: E731
+        out = fd(stdout, sys.stdout)
+        fds = [out] if stderr is None or fd(stderr, sys.stderr) == out else [out, fd(stderr, sys.stderr)]
         request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env), "cwd": os.getcwd()})
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
             data = request.encode() + b"\n"
-            conn.sendall(data[socket.send_fds(conn, [data], [out]):])    # the descriptor rides the first bytes
+            conn.sendall(data[socket.send_fds(conn, [data], fds):])    # the descriptors ride the first bytes
             received = b""
             while b"\n" not in received:      # byte-exact: the exit report may follow in the same segment
                 chunk = conn.recv(4096)
@@ -314,11 +323,7 @@ class Forked:
 
     def kill(self) -> None:
         if self.poll() is None:
-            for pid in descendants(self.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_descendants(self.pid)
         self.send_signal(signal.SIGKILL)
 
 

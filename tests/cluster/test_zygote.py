@@ -53,6 +53,10 @@ def test_a_child_runs_the_command_with_the_callers_environment_directory_and_out
     assert proc.wait(30) == 2
     text = log.read_text()
     assert "not-a-number" in text and "unrecognized arguments: --no-such-flag" in text
+    with open(tmp_path / "out.log", "w") as out, open(tmp_path / "err.log", "w") as err:   # stderr apart
+        proc = zygote.spawn(["server", "--no-such-flag"], out, stderr=err)
+    assert proc.wait(30) == 2
+    assert "--no-such-flag" in (tmp_path / "err.log").read_text() and (tmp_path / "out.log").read_text() == ""
     proc, _ = started_server(zygote, tmp_path, "cwd")
     try:
         os.chdir(tmp_path.parent)       # the child keeps the directory it was started in
@@ -83,7 +87,7 @@ def test_bad_requests_are_refused_and_the_zygote_serves_on(zygote, tmp_path):
         for line, fds, why in ((b"not json\n", [out.fileno()], b"Expecting value"),
                                (b'{"argv": "server"}\n', [out.fileno()], b"JSON object with argv"),
                                (json.dumps({**good, "argv": []}).encode() + b"\n", [out.fileno()], b"non-empty"),
-                               (json.dumps(good).encode() + b"\n", [], b"one file descriptor, got 0")):
+                               (json.dumps(good).encode() + b"\n", [], b"1 or 2 file descriptors, got 0")):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.connect(zygote.path)
                 socket.send_fds(s, [line], fds)

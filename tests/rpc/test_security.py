@@ -307,33 +307,46 @@ def test_launch_security_args():
 
 
 @pytest.mark.slow
-def test_launch_passes_token_by_env_and_tls_by_flags(pki, tmp_path, monkeypatch):
-    """A real `deltaps launch` with token + mTLS: children get the token in their environment only."""
+@pytest.mark.parametrize("zygote", [True, False])
+def test_launch_passes_token_by_env_and_tls_by_flags(pki, tmp_path, monkeypatch, zygote):
+    """A real `deltaps launch` with token + mTLS: children get the token in their environment only (forked from the
+    zygote: in the request's environment, over its private socket; fresh: in Popen's env)."""
     import deltaps.tools.launch
     from deltaps.cli import main
+    from deltaps.tools.zygote import Zygote
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     f = tmp_path / "token"
     f.write_text(TOKEN)
     f.chmod(0o600)
     seen = []
-    real_popen = subprocess.Popen
+    real_popen, real_spawn = subprocess.Popen, Zygote.spawn
+
+    def cmdline(pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().decode(errors="replace")
 
     class Spy(real_popen):
         def __init__(self, args, **kw):
             super().__init__(args, **kw)
-            with open(f"/proc/{self.pid}/cmdline", "rb") as fh:
-                seen.append((list(args), kw.get("env"), fh.read().decode(errors="replace")))
+            if "deltaps.tools.zygote" not in args:
+                seen.append((list(args), kw.get("env"), cmdline(self.pid)))
+
+    def spawn_spy(self, argv, stdout=None, env=None, stderr=None):
+        proc = real_spawn(self, argv, stdout, env, stderr)
+        seen.append((list(argv), env, cmdline(proc.pid)))
+        return proc
 
     monkeypatch.setattr(deltaps.tools.launch.subprocess, "Popen", Spy)
+    monkeypatch.setattr(Zygote, "spawn", spawn_spy)
     out = tmp_path / "summary.json"
     rc = main(["launch", "--servers", "1", "--workers", "1", "--steps", "3", "--no-progress", "--json", str(out),
                "--fallback-factor", "0", "--token-file", str(f), "--tls-cert", pki["server.pem"],
                "--tls-key", pki["server.key"], "--tls-ca", pki["ca.pem"], "--tls-client-cert", pki["worker.pem"],
-               "--tls-client-key", pki["worker.key"]])
+               "--tls-client-key", pki["worker.key"], *([] if zygote else ["--no-zygote"])])
     assert rc == 0 and out.exists()
     assert len(seen) == 2
-    for args, env, cmdline in seen:
-        assert TOKEN not in " ".join(args) and TOKEN not in cmdline
+    for args, env, cmdline_seen in seen:
+        assert TOKEN not in " ".join(args) and TOKEN not in cmdline_seen
         assert env[TOKEN_ENV] == TOKEN
         assert "--tls-ca" in args and "--tls-cert" in args
     assert TOKEN_ENV not in os.environ

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaps.tools import bench_faults
+from deltaps.tools import bench_faults, process_tree
 from deltaps.tools.bench_faults import Kill, KillScript, parse_kill
 from worker.trainers.strategy import load_job
 
@@ -127,9 +127,9 @@ def test_a_kill_takes_the_whole_process_tree_even_children_in_a_session_of_their
     # a parent that starts a child in a new session, as torchrun's agent starts its worker
     parent = bench_faults.TreeProcess([sys.executable, str(Path(__file__).parents[1] / "session_parent.py")])
     deadline = time.monotonic() + 20
-    while not bench_faults.descendants(parent.pid) and time.monotonic() < deadline:
+    while not process_tree.descendants(parent.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    (child,) = bench_faults.descendants(parent.pid)
+    (child,) = process_tree.descendants(parent.pid)
     parent.kill()
     parent.wait(10)
     deadline = time.monotonic() + 10
