@@ -6,13 +6,11 @@ BytePS's colocated mode), so a ps race uses the peers' W links instead of S + W.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 
 from deltaps.tools import netns
 from deltaps.tools.cpu_caps import CpuCaps
-from deltaps.tools.zygote import Zygote
+from deltaps.tools.zygote import Starter
 
 
 def topology_nodes(servers: int, workers: int, colocate: bool) -> int:
@@ -25,7 +23,8 @@ class Nodes:
                  workers: int = 0, colocate: bool = False, zygotes: bool = True):
         self.topo, self.caps = topo, caps
         self._shared = (servers, workers) if colocate else None
-        self._zygotes: dict[tuple, Zygote] | None = {} if zygotes else None
+        self._zygotes = zygotes
+        self._starters: dict[tuple, Starter] = {}        # one per machine (exec prefix)
         self._zygote_dir: str | None = None
 
     def host(self, i: int) -> int:
@@ -60,39 +59,36 @@ class Nodes:
         """`deltaps <argv...>` on node i, output to log: forked from its machine's zygote (started on first use,
         kept until close(): deltaps/tools/zygote.py), or with zygotes off a fresh `python -m deltaps`."""
         machine = tuple(self.prefix(i))
-        if self._zygotes is not None and machine not in self._zygotes:
+        if machine not in self._starters:
             self.start_zygotes([i])
         with open(log, "a" if append else "w") as out:
-            if self._zygotes is None:
-                return self.started(i, subprocess.Popen([*machine, sys.executable, "-m", "deltaps", *argv],
-                                                        stdout=out, stderr=subprocess.STDOUT, env=env))
-            return self.started(i, self._zygotes[machine].spawn(argv, out, env))
+            return self.started(i, self._starters[machine](argv, out, env))
 
     def start_zygotes(self, nodes) -> None:
         """Start the zygotes of these nodes' machines side by side and wait for them (a zygote started by a spawn
         would make that node's program start ~2 s after the others: start skew on the clock of a race's first run)."""
-        if self._zygotes is None:
-            return
-        self._zygote_dir = self._zygote_dir or tempfile.mkdtemp(prefix="deltaps-zygotes-")
         started = []
         for i in nodes:
             machine = tuple(self.prefix(i))
-            if machine not in self._zygotes:
-                name = f"node{self.topology_index(i)}" if self.topo else "local"
-                self._zygotes[machine] = Zygote(os.path.join(self._zygote_dir, f"{name}.sock"), list(machine),
-                                                os.path.join(self._zygote_dir, f"{name}.log"))
-                started.append(self._zygotes[machine])
-        for zygote in started:
-            zygote.ready()
+            if machine in self._starters:
+                continue
+            path = None
+            if self._zygotes:
+                self._zygote_dir = self._zygote_dir or tempfile.mkdtemp(prefix="deltaps-zygotes-")
+                path = os.path.join(self._zygote_dir, f"node{self.topology_index(i)}" if self.topo else "local")
+            self._starters[machine] = Starter(path, list(machine))
+            started.append(self._starters[machine])
+        for starter in started:
+            starter.ready()
 
     def close(self) -> None:
         """Stop the zygotes (their children are the caller's to stop first)."""
-        for zygote in (self._zygotes or {}).values():
-            zygote.proc.terminate()        # all at once, then each waited for
-        for zygote in (self._zygotes or {}).values():
-            zygote.stop()
-        if self._zygotes:
-            self._zygotes.clear()
+        for starter in self._starters.values():
+            if starter.zygote is not None:
+                starter.zygote.proc.terminate()        # all at once, then each waited for
+        for starter in self._starters.values():
+            starter.close()
+        self._starters.clear()
 
     def cpu(self, nodes) -> dict:
         """{node: (CPU seconds used, seconds throttled by the cap)} so far; {} without caps."""

@@ -14,7 +14,7 @@ import yaml
 
 from deltaps.config import TrainConfig
 from deltaps.errors import JobFailed
-from deltaps.tools.zygote import Zygote
+from deltaps.tools.zygote import Starter
 from worker.trainers.strategy import strategy_class
 
 
@@ -103,7 +103,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     servers, workers = [], []
     metrics_urls: list[str] = []
     needs = strategy_class(cfg.mode)    # what the mode needs beside its workers: shards, a rendezvous, a Lighthouse
-    start = Starter(os.path.join(tmp, "zygote") if zygote else None, child_env)
+    start = Starter(os.path.join(tmp, "zygote") if zygote else None, env=child_env).ready()
     try:
         for i in range(cfg.servers if needs.needs_servers else 0):
             with open(os.path.join(tmp, f"server{i}.log"), "w") as log:
@@ -156,25 +156,6 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
     return summary
-
-
-class Starter:
-    """Starts `deltaps <argv...>` processes of a local cluster: forked from a zygote when given its socket path
-    (started here, stopped by close()), else fresh interpreters; output to a log file, or None: this terminal."""
-
-    def __init__(self, zygote_path: str | None, env: dict):
-        self.env = env
-        self.zygote = Zygote(zygote_path, log=zygote_path + ".log").ready() if zygote_path else None
-
-    def __call__(self, argv: list[str], log=None):
-        if self.zygote is not None:
-            return self.zygote.spawn(argv, log, self.env, stderr=None if log is not None else sys.stderr)
-        return subprocess.Popen([sys.executable, "-m", "deltaps", *argv], stdout=log,
-                                stderr=None if log is None else subprocess.STDOUT, env=self.env)
-
-    def close(self) -> None:
-        if self.zygote is not None:
-            self.zygote.stop()
 
 
 def start_lighthouse(host: str, replicas: int, log, prefix: list[str] = (), port: int | None = None) -> subprocess.Popen:

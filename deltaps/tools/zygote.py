@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 
+from deltaps.errors import JobFailed
 from deltaps.tools.process_tree import kill_descendants
 
 PRELOADED = ("torch", "torch._dynamo", "numpy")    # what costs a start its ~2 s of a core
@@ -196,8 +197,8 @@ def main(argv: list[str]) -> None:
 
 
 # ---- the caller's side --------------------------------------------------------------------------------------------
-class ZygoteUnavailable(RuntimeError):
-    pass
+class ZygoteUnavailable(JobFailed):
+    """A zygote that did not start or no longer answers (the CLI prints it as one error line)."""
 
 
 class Zygote:
@@ -216,8 +217,9 @@ class Zygote:
         while not os.path.exists(self.path):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise ZygoteUnavailable(f"zygote at {self.path} did not start (exit {self.proc.returncode}; "
-                                        f"log {self.log})")
+                tail = open(self.log, errors="replace").read()[-2000:] if self.log and os.path.exists(self.log) else ""
+                raise ZygoteUnavailable(f"zygote at {self.path} did not start (exit {self.proc.returncode}); "
+                                        f"--no-zygote(s) starts fresh interpreters instead; its log:\n{tail}")
             time.sleep(0.02)
         return self
 
@@ -258,6 +260,32 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class Starter:
+    """Starts `deltaps <argv...>` programs on one machine (an exec prefix: a node's namespace; none: here): forked
+    from a zygote when given a socket path for one (started here: ready() waits for it, close() stops it), else fresh
+    interpreters. Output to a file with stderr beside it, or None: this process's stdout and stderr."""
+
+    def __init__(self, zygote_path: str | None = None, prefix: list[str] = (), env: dict | None = None):
+        self.prefix, self.env = list(prefix), env
+        self.zygote = Zygote(zygote_path, self.prefix, zygote_path + ".log") if zygote_path else None
+
+    def ready(self) -> "Starter":
+        if self.zygote is not None:
+            self.zygote.ready()
+        return self
+
+    def __call__(self, argv: list[str], stdout=None, env: dict | None = None):
+        env = self.env if env is None else env
+        if self.zygote is not None:
+            return self.zygote.spawn(argv, stdout, env, stderr=None if stdout is not None else sys.stderr)
+        return subprocess.Popen([*self.prefix, sys.executable, "-m", "deltaps", *argv], stdout=stdout,
+                                stderr=None if stdout is None else subprocess.STDOUT, env=env)
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.stop()
 
 
 class Forked:
