@@ -30,7 +30,8 @@ from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_rep
 from deltaps.tools.bench_nodes import Nodes, cpu_figures, topology_nodes
 from deltaps.tools.bench_seeds import merge
 from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
-from deltaps.tools.launch import free_port, start_lighthouse, stop_processes, wait_port_file, workers_failed
+from deltaps.tools.launch import free_port, start_lighthouse, wait_port_file, workers_failed
+from deltaps.tools.process_tree import stop_processes
 from worker.trainers.strategy import load_job
 from worker.workloads import available_workloads, workload_class
 from worker.workloads.clf import HIDDEN as CLF_HIDDEN

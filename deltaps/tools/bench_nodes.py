@@ -10,6 +10,7 @@ import tempfile
 
 from deltaps.tools import netns
 from deltaps.tools.cpu_caps import CpuCaps
+from deltaps.tools.process_tree import stop_processes
 from deltaps.tools.zygote import Starter
 
 
@@ -83,11 +84,7 @@ class Nodes:
 
     def close(self) -> None:
         """Stop the zygotes (their children are the caller's to stop first)."""
-        for starter in self._starters.values():
-            if starter.zygote is not None:
-                starter.zygote.proc.terminate()        # all at once, then each waited for
-        for starter in self._starters.values():
-            starter.close()
+        stop_processes([s.zygote.proc for s in self._starters.values() if s.zygote is not None])   # all at once
         self._starters.clear()
 
     def cpu(self, nodes) -> dict:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ import yaml
 
 from deltaps.config import TrainConfig
 from deltaps.errors import JobFailed
+from deltaps.tools.process_tree import stop_processes
 from deltaps.tools.zygote import Starter
 from worker.trainers.strategy import strategy_class
 
@@ -57,19 +57,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:    # every probe taken (a tiny ephemeral floor): the old way
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def tail_file(path: str, n: int = 30) -> str:

@@ -1,8 +1,11 @@
-"""A process's tree on Linux (/proc): what the launchers kill and the CPU figures count (a leaf: no deltaps imports)."""
+"""Processes the launchers start: their trees on Linux (/proc), which the launchers kill and the CPU figures count,
+and how they are stopped (a leaf: no deltaps imports)."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import time
 
 
 def descendants(pid: int) -> list[int]:
@@ -33,3 +36,17 @@ def kill_descendants(pid: int) -> None:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM all of them at once, then wait for each within one shared grace; SIGKILL whoever outlasts it."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

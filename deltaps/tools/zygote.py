@@ -34,7 +34,7 @@ import sys
 import time
 
 from deltaps.errors import JobFailed
-from deltaps.tools.process_tree import kill_descendants
+from deltaps.tools.process_tree import kill_descendants, stop_processes
 
 PRELOADED = ("torch", "torch._dynamo", "numpy")    # what costs a start its ~2 s of a core
 POLL_S = 0.05                                      # how soon a child's exit is reported
@@ -252,14 +252,7 @@ class Zygote:
         return Forked(answer["pid"], conn, ["deltaps", *argv], rest)
 
     def stop(self) -> None:
-        self.proc.poll()
-        if self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc])
 
 
 class Starter:

@@ -105,7 +105,8 @@ def probe_ps_host(tensors, codecs, procs=(2, 4), shards: int = 2, prefix: str = 
     namespace links (loopback without namespaces): the PS counterpart of probe_allreduce, the floor
     a shaped link cannot go below when every process shares these cores. Rounds interleave the
     codecs and keep each one's fastest."""
-    from deltaps.tools.launch import stop_processes, wait_port_file
+    from deltaps.tools.launch import wait_port_file
+    from deltaps.tools.process_tree import stop_processes
     out: dict = {}
     spec = json.dumps([[name, int(numel)] for name, numel in tensors])
     for k in sorted(p for p in set(procs) if p >= 2):

@@ -74,7 +74,8 @@ def probe_codecs(grad_bytes: int, specs: list[str], repeats: int = 15) -> dict:
 def ps_cycle_time(numel: int, codec: str = "none", n: int = 60) -> float:
     """Median PushPull cycle (push, delta pull) of a worker process with one tensor of numel floats
     against one real `deltaps server` on loopback (world size 1)."""
-    from deltaps.tools.launch import stop_processes, wait_port_file
+    from deltaps.tools.launch import wait_port_file
+    from deltaps.tools.process_tree import stop_processes
     with tempfile.TemporaryDirectory(prefix="deltaps-advise-rpc-") as tmp:
         pf = os.path.join(tmp, "port")
         srv = subprocess.Popen([sys.executable, "-m", "deltaps", "server", "--host", "127.0.0.1", "--port", "0",
