@@ -365,6 +365,12 @@ def load_config(path: str | None, overrides: dict | None = None) -> TrainConfig:
     return cfg
 
 
+def save_config(cfg: TrainConfig, path: str) -> None:
+    """cfg as a YAML file load_config reads back (a child process's --config); `extra` is in-process only."""
+    with open(path, "w") as fh:
+        yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, fh)
+
+
 def config_from_args(args: argparse.Namespace, exclude: tuple = ()) -> TrainConfig:
     return load_config(getattr(args, "config", None), {k: v for k, v in vars(args).items() if k not in exclude})
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-import yaml
-
-from deltaps.config import DEVICES
+from deltaps.config import DEVICES, save_config
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, cpu_roles, netns
 from deltaps.tools.bench_nodes import Nodes, cpu_figures, topology_nodes
@@ -136,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name prefix of the namespaces/links this run creates (and whose stale leftovers it removes)")
     p.add_argument("--json", help="write the report JSON here")
     p.add_argument("--plot", help="write a PNG (step-time split and accuracy per mode) here")
-    p.add_argument("--keep-logs", action="store_true", help="print the log directory instead of hiding it")
+    p.add_argument("--keep-logs", action="store_true", help="keep the log directory (printed) instead of removing it")
     return p
 
 
@@ -152,8 +151,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     cfg = load_job(None, {**base, **mode.overrides(), "eval_log": eval_log, "eval_cache": os.path.join(d, "evals"),
                           "servers": mode.shards or args.servers, **({"ddp_checkpoint_dir": ckpt} if elastic else {})})
     cfg_path = os.path.join(d, "config.yaml")
-    with open(cfg_path, "w") as f:
-        yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
+    save_config(cfg, cfg_path)
     S, W = mode.shards or args.servers, args.workers     # a spec's shards=N: the first N shard nodes
     worker_nodes = list(range(args.servers, args.servers + W))    # nodes 0..servers-1 are shards, then workers
     servers, workers, script, slowing, roles = [], [], None, None, None
@@ -292,11 +290,11 @@ def compare(args) -> dict:
                               latency=args.latency, prefix=args.netns_prefix)
     caps = CpuCaps(args.cpus_per_worker, range(args.servers, args.servers + args.workers), args.netns_prefix) \
         if args.cpus_per_worker else None
+    tmp = tempfile.mkdtemp(prefix="deltaps-compare-")     # logs, evaluations, zygotes: removed unless --keep-logs
     net = Nodes(topo, caps, servers=args.servers, workers=args.workers, colocate=args.colocate,
-                zygotes=not args.no_zygotes)
+                zygotes=not args.no_zygotes, workdir=os.path.join(tmp, "zygotes"))
     report["network"]["colocated"] = args.colocate
     old = netns.install_signal_handlers()
-    tmp = tempfile.mkdtemp(prefix="deltaps-compare-")
     try:
         if topo:
             topo.up()
@@ -371,6 +369,8 @@ def compare(args) -> dict:
         netns.restore_signal_handlers(old)
     if args.keep_logs:
         print(f"logs: {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     bench_report.add_speedups(report)
     bench_report.add_time_to_accuracy(report, getattr(args, workload_class(args.workload).target_field))
     bench_report.add_common_step_deltas(report)

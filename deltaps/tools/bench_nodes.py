@@ -6,6 +6,7 @@ BytePS's colocated mode), so a ps race uses the peers' W links instead of S + W.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 from deltaps.tools import netns
@@ -21,12 +22,14 @@ def topology_nodes(servers: int, workers: int, colocate: bool) -> int:
 
 class Nodes:
     def __init__(self, topo: "netns.Topology | None", caps: CpuCaps | None = None, *, servers: int = 0,
-                 workers: int = 0, colocate: bool = False, zygotes: bool = True):
+                 workers: int = 0, colocate: bool = False, zygotes: bool = True, workdir: str | None = None):
+        """workdir: where the zygotes' sockets and logs go (the caller's to remove; default: a new temporary
+        directory that close() removes)."""
         self.topo, self.caps = topo, caps
         self._shared = (servers, workers) if colocate else None
         self._zygotes = zygotes
         self._starters: dict[tuple, Starter] = {}        # one per machine (exec prefix)
-        self._zygote_dir: str | None = None
+        self._zygote_dir, self._owns_dir = workdir, workdir is None
 
     def host(self, i: int) -> int:
         """The node whose machine runs node i: i, or with --colocate a shard's worker node."""
@@ -75,7 +78,9 @@ class Nodes:
                 continue
             path = None
             if self._zygotes:
-                self._zygote_dir = self._zygote_dir or tempfile.mkdtemp(prefix="deltaps-zygotes-")
+                if self._zygote_dir is None:
+                    self._zygote_dir = tempfile.mkdtemp(prefix="deltaps-zygotes-")
+                os.makedirs(self._zygote_dir, exist_ok=True)
                 path = os.path.join(self._zygote_dir, f"node{self.topology_index(i)}" if self.topo else "local")
             self._starters[machine] = Starter(path, list(machine))
             started.append(self._starters[machine])
@@ -86,6 +91,9 @@ class Nodes:
         """Stop the zygotes (their children are the caller's to stop first)."""
         stop_processes([s.zygote.proc for s in self._starters.values() if s.zygote is not None])   # all at once
         self._starters.clear()
+        if self._owns_dir and self._zygote_dir:
+            shutil.rmtree(self._zygote_dir, ignore_errors=True)
+            self._zygote_dir = None
 
     def cpu(self, nodes) -> dict:
         """{node: (CPU seconds used, seconds throttled by the cap)} so far; {} without caps."""

@@ -4,14 +4,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-import yaml
-
-from deltaps.config import TrainConfig
+from deltaps.config import TrainConfig, save_config
 from deltaps.errors import JobFailed
 from deltaps.tools.process_tree import stop_processes
 from deltaps.tools.zygote import Starter
@@ -85,8 +84,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     t_launch = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="deltaps-launch-")
     cfg_path = os.path.join(tmp, "config.yaml")
-    with open(cfg_path, "w") as f:
-        yaml.safe_dump({k: v for k, v in cfg.to_dict().items() if k != "extra"}, f)
+    save_config(cfg, cfg_path)
     servers, workers = [], []
     metrics_urls: list[str] = []
     needs = strategy_class(cfg.mode)    # what the mode needs beside its workers: shards, a rendezvous, a Lighthouse
@@ -137,6 +135,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         stop_processes(servers)
         start.close()
     results = [json.load(open(os.path.join(tmp, f"worker{r}.json"))) for r in range(cfg.workers)]
+    shutil.rmtree(tmp, ignore_errors=True)      # a failed job's directory stays: its error names it
     summary = summarize(cfg, results, time.perf_counter() - t_launch)
     summary["metrics_urls"] = metrics_urls
     if json_path:
@@ -179,7 +178,7 @@ def workers_failed(failed: list[tuple[int, int | str]], log_dir: str, job: str =
     """The error for workers (rank, exit code) that failed: each one's code and the tail of log_dir/worker<rank>.log."""
     logs = "\n".join(f"--- worker {r} (exit {c}) ---\n{tail_file(os.path.join(log_dir, f'worker{r}.log'))}"
                      for r, c in failed)
-    return JobFailed(f"{job}{len(failed)} worker(s) failed:\n{logs}")
+    return JobFailed(f"{job}{len(failed)} worker(s) failed (logs in {log_dir}):\n{logs}")
 
 
 def summarize(cfg: TrainConfig, results: list[dict], launch_wall_s: float) -> dict:

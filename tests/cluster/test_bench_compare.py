@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import subprocess
+import tempfile
 
 import pytest
 
@@ -79,8 +80,10 @@ class _BrokenTopology(netns.Topology):
 
 
 @pytest.mark.slow
-def test_bench_compare_small(tmp_path):
+def test_bench_compare_small(tmp_path, monkeypatch):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
     rc = bc.main(["--workers", "2", "--servers", "2", "--steps", "15", "--hidden", "64",
                   "--modes", "allreduce,ps:int8,ps:int8:shards=1", "--bandwidth", "200mbit", "--json", str(out),
                   "--plot", str(png), "--netns-prefix", "dpsu"])
@@ -103,6 +106,7 @@ def test_bench_compare_small(tmp_path):
         assert r["network"]["teardown_clean"] is True
         assert netns.list_leftovers("dpsu") == {"netns": [], "links": []}
     assert png.stat().st_size > 1000
+    assert not list((tmp_path / "scratch").glob("deltaps-*"))     # logs, evaluations, zygotes: removed without --keep-logs
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """End to end with real processes on loopback: `deltaps launch`, and the rollback switch on a live job."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,11 +19,15 @@ SUMMARY_KEYS = {"mode", "sync", "codec", "workers", "servers", "steps", "final_t
 
 
 def _launch(tmp_path, *flags):
-    out = tmp_path / "summary.json"
+    out, scratch = tmp_path / "summary.json", tmp_path / "scratch"
+    scratch.mkdir()
     proc = subprocess.run(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--json", str(out), *flags],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "deltaps summary" in proc.stdout
+    # logs, results, the zygote's socket: removed after a job that ran (torch's own caches may stay)
+    assert not list(scratch.glob("deltaps-*"))
     return json.loads(out.read_text())
 
 

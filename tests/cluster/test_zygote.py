@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -129,8 +130,10 @@ def parent_of(pid: int) -> int:
 
 
 @pytest.mark.parametrize("zygotes", [True, False])
-def test_a_bench_machine_forks_its_programs_from_one_zygote_unless_told_not_to(tmp_path, zygotes):
+def test_a_bench_machine_forks_its_programs_from_one_zygote_unless_told_not_to(tmp_path, zygotes, monkeypatch):
     from deltaps.tools.bench_nodes import Nodes
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
     net = Nodes(None, zygotes=zygotes)      # no topology: every node is this machine
     procs = []
     try:
@@ -148,3 +151,4 @@ def test_a_bench_machine_forks_its_programs_from_one_zygote_unless_told_not_to(t
             p.terminate()
             assert p.wait(30) == 0
         net.close()
+    assert not list((tmp_path / "scratch").glob("deltaps-*"))     # the zygotes' sockets and logs went with them
