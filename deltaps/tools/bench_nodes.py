@@ -12,7 +12,7 @@ import tempfile
 from deltaps.tools import netns
 from deltaps.tools.cpu_caps import CpuCaps
 from deltaps.tools.process_tree import stop_processes
-from deltaps.tools.zygote import Starter
+from deltaps.tools.zygote import Starter, Zygote
 
 
 def topology_nodes(servers: int, workers: int, colocate: bool) -> int:
@@ -29,6 +29,7 @@ class Nodes:
         self._shared = (servers, workers) if colocate else None
         self._zygotes = zygotes
         self._starters: dict[tuple, Starter] = {}        # one per machine (exec prefix)
+        self._hub: Zygote | None = None     # with a topology: the zygote the nodes' zygotes are forked from
         self._zygote_dir, self._owns_dir = workdir, workdir is None
 
     def host(self, i: int) -> int:
@@ -82,7 +83,11 @@ class Nodes:
                     self._zygote_dir = tempfile.mkdtemp(prefix="deltaps-zygotes-")
                 os.makedirs(self._zygote_dir, exist_ok=True)
                 path = os.path.join(self._zygote_dir, f"node{self.topology_index(i)}" if self.topo else "local")
-            self._starters[machine] = Starter(path, list(machine))
+                if self.topo and self._hub is None:     # torch imported once, not once per node on shared cores
+                    hub = os.path.join(self._zygote_dir, "hub")
+                    self._hub = Zygote(hub, log=hub + ".log").ready()
+            node = self.topo.node(self.topology_index(i)) if self._hub else None
+            self._starters[machine] = Starter(path, list(machine), hub=self._hub, node=node)
             started.append(self._starters[machine])
         for starter in started:
             starter.ready()
@@ -91,6 +96,9 @@ class Nodes:
         """Stop the zygotes (their children are the caller's to stop first)."""
         stop_processes([s.zygote.proc for s in self._starters.values() if s.zygote is not None])   # all at once
         self._starters.clear()
+        if self._hub is not None:       # after the zygotes it forked: it reports their exits
+            self._hub.stop()
+            self._hub = None
         if self._owns_dir and self._zygote_dir:
             shutil.rmtree(self._zygote_dir, ignore_errors=True)
             self._zygote_dir = None

@@ -32,12 +32,13 @@ import subprocess
 import sys
 import time
 
+from deltaps.tools.node_host import NETNS_ETC  # per-namespace /etc files that `ip netns exec` bind-mounts
 from deltaps.tools.socket_probes import stream_seconds
 from deltaps.units import parse_rate, parse_time_ms
 
 PREFIX = "dpsb"
 SUBNET = "198.18.0"
-NETNS_ETC = "/etc/netns"          # per-namespace /etc files that `ip netns exec` bind-mounts
+
 
 def shaping_available() -> tuple[bool, str]:
     """(ok, reason): can this process build namespaces and shape links?"""
@@ -164,8 +165,13 @@ class Topology:
 
     def exec_prefix(self, i: int) -> list[str]:
         """Run a command on node i: in its namespace, under a host name of its own (deltaps/tools/node_host.py)."""
-        return ["ip", "netns", "exec", self.ns(i), "unshare", "--uts", sys.executable, "-m", "deltaps.tools.node_host",
-                self.ns(i)]
+        node = self.node(i)
+        return ["ip", "netns", "exec", node["netns"], "unshare", "--uts", sys.executable, "-m",
+                "deltaps.tools.node_host", node["hostname"]]
+
+    def node(self, i: int) -> dict:
+        """Node i as a process enters it in-process (node_host.enter): its namespace and host name."""
+        return {"netns": self.ns(i), "hostname": self.ns(i)}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def up(self) -> "Topology":

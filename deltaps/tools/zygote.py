@@ -34,6 +34,7 @@ import sys
 import time
 
 from deltaps.errors import JobFailed
+from deltaps.tools import node_host
 from deltaps.tools.process_tree import kill_descendants, stop_processes
 
 PRELOADED = ("torch", "torch._dynamo", "numpy")    # what costs a start its ~2 s of a core
@@ -121,7 +122,13 @@ def parse_request(line: str) -> dict:
     fields = {"argv": list, "env": dict, "cwd": str}
     if not isinstance(request, dict) or any(not isinstance(request.get(k), t) for k, t in fields.items()):
         raise ValueError(f"a request is a JSON object with {', '.join(f'{k} ({t.__name__})' for k, t in fields.items())}")
-    if not request["argv"] or not all(isinstance(a, str) for a in request["argv"]):
+    if "zygote" in request:     # a node's zygote: {"zygote": SOCKET, "node": {"netns": NS, "hostname": NAME}}
+        node = request.get("node")
+        if not isinstance(request["zygote"], str) or not isinstance(node, dict) or \
+                any(not isinstance(node.get(k), str) or not node[k] for k in ("netns", "hostname")):
+            raise ValueError("a node's zygote is asked for with zygote (its socket path) and node "
+                             "({netns, hostname}: non-empty strings)")
+    elif not request["argv"] or not all(isinstance(a, str) for a in request["argv"]):
         raise ValueError("argv must be a non-empty list of strings (a deltaps command and its arguments)")
     return request
 
@@ -183,6 +190,10 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python -m deltaps.tools.zygote SOCKET")
     request, fds = serve(argv[0])
+    while request.get("zygote"):      # forked to serve one node of a bench network, from inside it
+        become(request, fds)
+        node_host.enter(request["node"]["netns"], request["node"]["hostname"])
+        request, fds = serve(request["zygote"])
     if not request:
         leave(0)
     become(request, fds)
@@ -204,12 +215,18 @@ class ZygoteUnavailable(JobFailed):
 class Zygote:
     """One zygote process, started with an exec prefix (a node's namespace) or none (this machine)."""
 
-    def __init__(self, path: str, prefix: list[str] = (), log: str | None = None):
-        """Starts the zygote; ready() waits until it serves (start several, then wait for each)."""
+    def __init__(self, path: str, prefix: list[str] = (), log: str | None = None, hub: "Zygote | None" = None,
+                 node: dict | None = None):
+        """Starts the zygote; ready() waits until it serves (start several, then wait for each). With a hub (a ready
+        zygote on this machine) and a node ({netns, hostname}: netns.Topology.node), it is forked from the hub into
+        that node instead of started through the prefix: torch is imported once for every node of a bench network."""
         self.path, self.log = path, log
         out = open(log or os.devnull, "w")
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "deltaps.tools.zygote", path],
-                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if hub is not None:
+            self.proc = hub.spawn([], out, request={"zygote": path, "node": node})
+        else:
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "deltaps.tools.zygote", path],
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         out.close()
 
     def ready(self, timeout: float = 120.0) -> "Zygote":
@@ -223,13 +240,16 @@ class Zygote:
             time.sleep(0.02)
         return self
 
-    def spawn(self, argv: list[str], stdout=None, env: dict | None = None, stderr=None) -> "Forked":
+    def spawn(self, argv: list[str], stdout=None, env: dict | None = None, stderr=None,
+              request: dict | None = None) -> "Forked":
         """`deltaps <argv...>` forked from the zygote, its output to stdout (a file or a descriptor; None: this
-        process's), its errors to stderr (None: with the output, as Popen's stderr=STDOUT)."""
+        process's), its errors to stderr (None: with the output, as Popen's stderr=STDOUT); request: more fields
+        of the request (a node's zygote)."""
         fd = lambda f, own: own.fileno() if f is None else f if isinstance(f, int) else f.fileno()  # noqa: E731
         out = fd(stdout, sys.stdout)
         fds = [out] if stderr is None or fd(stderr, sys.stderr) == out else [out, fd(stderr, sys.stderr)]
-        request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env), "cwd": os.getcwd()})
+        request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env), "cwd": os.getcwd(),
+                              **(request or {})})
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
@@ -260,9 +280,11 @@ class Starter:
     from a zygote when given a socket path for one (started here: ready() waits for it, close() stops it), else fresh
     interpreters. Output to a file with stderr beside it, or None: this process's stdout and stderr."""
 
-    def __init__(self, zygote_path: str | None = None, prefix: list[str] = (), env: dict | None = None):
+    def __init__(self, zygote_path: str | None = None, prefix: list[str] = (), env: dict | None = None,
+                 hub: Zygote | None = None, node: dict | None = None):
+        """hub, node: the zygote is forked from hub into node (Zygote's); the prefix still starts fresh programs."""
         self.prefix, self.env = list(prefix), env
-        self.zygote = Zygote(zygote_path, self.prefix, zygote_path + ".log") if zygote_path else None
+        self.zygote = Zygote(zygote_path, self.prefix, zygote_path + ".log", hub, node) if zygote_path else None
 
     def ready(self) -> "Starter":
         if self.zygote is not None:

@@ -4,6 +4,7 @@ worker's whole tree, restarted 1 s later as a supervisor would: torchrun restart
 checkpoint, the job reaches its target, and its clock counts what the failure cost."""
 import glob
 import json
+import shutil
 
 import pytest
 
@@ -28,4 +29,5 @@ def test_a_killed_ddp_job_restarts_under_torchrun_resumes_and_pays_for_it(tmp_pa
     logs = capsys.readouterr().out.split("logs: ")[1].split()[0]
     resumed = [path for path in glob.glob(f"{logs}/seed0faulty/ddp-elastic/worker*.log")
                if "resumed from the checkpoint" in open(path).read()]
+    shutil.rmtree(logs)         # kept (--keep-logs) for this test to read
     assert resumed, "no rank resumed from the checkpoint"

@@ -12,7 +12,12 @@ import time
 
 import pytest
 
+from deltaps.tools import netns, node_host
 from deltaps.tools.zygote import UNKNOWN_EXIT, Zygote, ZygoteUnavailable
+
+OK, WHY = netns.shaping_available()
+needs_root = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+TEST_PREFIX = "dpsy"      # this file's namespaces (test_bench_compare's: dpst, dpsu)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +93,8 @@ def test_bad_requests_are_refused_and_the_zygote_serves_on(zygote, tmp_path):
         for line, fds, why in ((b"not json\n", [out.fileno()], b"Expecting value"),
                                (b'{"argv": "server"}\n', [out.fileno()], b"JSON object with argv"),
                                (json.dumps({**good, "argv": []}).encode() + b"\n", [out.fileno()], b"non-empty"),
+                               (json.dumps({**good, "zygote": str(tmp_path / "n.sock"), "node": {"netns": ""}}).encode()
+                                + b"\n", [out.fileno()], b"node ({netns, hostname}"),
                                (json.dumps(good).encode() + b"\n", [], b"1 or 2 file descriptors, got 0")):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.connect(zygote.path)
@@ -152,3 +159,53 @@ def test_a_bench_machine_forks_its_programs_from_one_zygote_unless_told_not_to(t
             assert p.wait(30) == 0
         net.close()
     assert not list((tmp_path / "scratch").glob("deltaps-*"))     # the zygotes' sockets and logs went with them
+
+
+@needs_root
+def test_a_process_that_enters_a_node_sees_what_its_exec_prefix_shows():
+    """node_host.enter (a zygote forked into a node) against `ip netns exec NS unshare --uts node_host NAME`: the same
+    host name, hosts file and network devices; the process that forked it keeps its own."""
+    with netns.Topology(2, rate="50mbit", prefix=TEST_PREFIX) as topo:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:        # the child only makes system calls and writes to the pipe, then leaves without cleanup
+            try:
+                node_host.enter(**topo.node(1))
+                os.write(w, json.dumps({"hostname": socket.gethostname(), "peer": socket.gethostbyname(topo.ns(0)),
+                                        "devices": sorted(os.listdir("/sys/class/net"))}).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as pipe:
+            seen = json.loads(pipe.read() or "{}")
+        os.waitpid(pid, 0)
+        shown = subprocess.run(topo.exec_prefix(1) + ["ls", "/sys/class/net"], capture_output=True, text=True,
+                               check=True).stdout.split()
+        assert seen == {"hostname": topo.ns(1), "peer": topo.addr(0), "devices": sorted(shown)}
+        assert socket.gethostname() != topo.ns(1) and topo.ifname(1) not in os.listdir("/sys/class/net")
+
+
+@needs_root
+def test_a_bench_networks_nodes_fork_from_zygotes_forked_from_one_hub(tmp_path):
+    """torch is imported once for all of a network's nodes: each node's zygote is a child of one hub, and a shard
+    forked on a node serves at that node's address (which exists only inside its namespace)."""
+    from deltaps.tools.bench_nodes import Nodes
+    with netns.Topology(2, rate="50mbit", prefix=TEST_PREFIX) as topo:
+        net = Nodes(topo, workdir=str(tmp_path / "zygotes"))
+        procs = []
+        try:
+            for i in range(2):
+                port_file = tmp_path / f"s{i}.port"
+                procs.append(net.spawn(i, ["server", "--host", net.addr(i), "--port", "0", "--shard-id", str(i),
+                                           "--num-shards", "2", "--port-file", str(port_file)],
+                                       str(tmp_path / f"s{i}.log")))
+                while not (port_file.exists() and port_file.read_text().strip()):
+                    assert procs[-1].poll() is None, (tmp_path / f"s{i}.log").read_text()
+                    time.sleep(0.02)
+            zygotes = [parent_of(p.pid) for p in procs]
+            assert len(set(zygotes)) == 2 and len({parent_of(z) for z in zygotes}) == 1
+        finally:
+            for p in procs:
+                p.terminate()
+                assert p.wait(30) == 0
+            net.close()
