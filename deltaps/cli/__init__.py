@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from deltaps.cli import bench, ctl, launch, server, worker
+from deltaps.cli import bench, ctl, launch, lighthouse, server, worker
 from deltaps.errors import JobFailed
 
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_parser(sub)
     launch.add_parser(sub)
     ctl.add_parser(sub)
+    lighthouse.add_parser(sub)
     from deltaps.tools.top import add_top_parser
     add_top_parser(sub)
 
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        commands = {"server": server.run, "worker": worker.run, "launch": launch.run, "ctl": ctl.run}
+        commands = {"server": server.run, "worker": worker.run, "launch": launch.run, "ctl": ctl.run,
+                    "lighthouse": lighthouse.run}
         if args.cmd in commands:
             return commands[args.cmd](args)
         if args.cmd == "advise":

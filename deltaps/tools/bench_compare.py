@@ -170,7 +170,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
                            str(29500 if net.topo else free_port())]
         elif cfg.mode == "torchft":    # torchft's Lighthouse on a shard node (torchft has no shards)
             servers.append(start_lighthouse(net.addr(0), cfg.torchft_min_replicas or W,
-                                            open(os.path.join(d, "lighthouse.log"), "w"), net.prefix(0),
+                                            lambda argv: net.spawn(0, argv, os.path.join(d, "lighthouse.log")),
                                             29510 if net.topo else None))
             target = ["--lighthouse", servers[-1].url]
         elif elastic:     # torchrun's agents rendezvous (c10d, on worker node 0) and set every rank's environment

@@ -6,10 +6,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
+from deltaps.cli.lighthouse import torchft_missing
 from deltaps.config import TrainConfig, save_config
 from deltaps.errors import JobFailed
 from deltaps.tools.process_tree import stop_processes
@@ -102,7 +102,8 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
             target += ["--master-addr", host, "--master-port", str(free_port(host))]
         if needs.needs_lighthouse:
             replicas = cfg.torchft_min_replicas or cfg.workers      # the quorum's minimum
-            servers.append(start_lighthouse(host, replicas, open(os.path.join(tmp, "lighthouse.log"), "w")))
+            with open(os.path.join(tmp, "lighthouse.log"), "w") as log:
+                servers.append(start_lighthouse(host, replicas, lambda argv: start(argv, log)))
             target += ["--lighthouse", servers[-1].url]
         if not quiet and not needs.needs_servers:
             print(f"deltaps launch: {cfg.mode} ({' '.join(target)}); {cfg.workers} workers", flush=True)
@@ -144,19 +145,17 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     return summary
 
 
-def start_lighthouse(host: str, replicas: int, log, prefix: list[str] = (), port: int | None = None) -> subprocess.Popen:
-    """torchft's Lighthouse (its own binary, from the torchft package) for `replicas` replica groups, bound to
-    host:port (a free one by default; prefix: e.g. `ip netns exec <ns>`); `.url` is where the Managers reach it."""
-    import shutil
-    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or shutil.which("torchft_lighthouse")
-    if binary is None:
-        raise ValueError("--mode torchft needs the torchft package (pip install 'deltaps[peers]'): no torchft_lighthouse")
+def start_lighthouse(host: str, replicas: int, spawn, port: int | None = None):
+    """torchft's Lighthouse (`deltaps lighthouse`: torchft's own LighthouseServer) for `replicas` replica groups,
+    bound to host:port (a free one by default), started by spawn(argv) (a zygote's fork or a fresh process, with its
+    log); `.url` on the process it returns is where the Managers reach it."""
+    why = torchft_missing()
+    if why:
+        raise ValueError(f"--mode torchft: {why}")
     port = port or free_port(host)
     # torchft's own join timeout (60 s: with every heartbeating replica joined a quorum forms at once; below
-    # --min_replicas = the workers, a short one drops a replica a little late for a round, which must then heal)
-    proc = subprocess.Popen([*prefix, binary, "--bind", f"{host}:{port}", "--min_replicas", str(replicas),
-                             "--quorum_tick_ms", "10"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    # --min-replicas = the workers, a short one drops a replica a little late for a round, which must then heal)
+    proc = spawn(["lighthouse", "--bind", f"{host}:{port}", "--min-replicas", str(replicas), "--quorum-tick-ms", "10"])
     proc.url = f"http://{host}:{port}"
     return proc
 

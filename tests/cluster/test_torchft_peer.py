@@ -1,10 +1,16 @@
 """--mode torchft (worker/trainers/torchft_peer.py): torchft's own DiLoCo, run by real worker processes against a
 real Lighthouse (`deltaps launch` starts it), computes exactly what deltaps' local-update mode computes with the
 same inner and outer settings — the race's peers get the same outer optimizer, checked bit for bit."""
+import signal
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
-from deltaps.tools.launch import launch
+from deltaps.tools.launch import free_port, launch
 from worker.trainers.strategy import load_job
 
 pytest.importorskip("torchft", reason="torchft is the optional `peers` extra (make setup installs it)")
@@ -79,3 +85,31 @@ def test_rules_name_what_is_missing():
         load_job(None, {"mode": "torchft", "local_steps": 8, "torchft_wire": "int8"})
     with pytest.raises(ValueError, match="no --torchft-wire"):
         load_job(None, {"mode": "torchft", "local_steps": 8, "torchft_wire": "bf16", "torchft_algorithm": "localsgd"})
+
+
+def test_deltaps_lighthouse_serves_torchfts_lighthouse_until_sigterm(tmp_path):
+    """`deltaps lighthouse` (what launch and bench compare fork for torchft modes) serves torchft's LighthouseServer
+    at --bind, exits 0 on SIGTERM; a bad --min-replicas is a usage error naming the flag."""
+    port = free_port("127.0.0.1")
+    with open(tmp_path / "lh.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "deltaps", "lighthouse", "--bind", f"127.0.0.1:{port}",
+                                 "--min-replicas", "2", "--quorum-tick-ms", "10"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "lh.log").read_text()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the Lighthouse never listened"
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "serving at http://" in (tmp_path / "lh.log").read_text()
+    bad = subprocess.run([sys.executable, "-m", "deltaps", "lighthouse", "--bind", "127.0.0.1:0", "--min-replicas", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--min-replicas must be >= 1, got 0" in bad.stderr
