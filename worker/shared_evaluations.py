@@ -10,10 +10,6 @@ per-rank state) have different digests and are evaluated each on its own, so res
 
 Contract: the directory belongs to one job (the same workload, data, seed and split); results are JSON-able dicts,
 read back exactly (floats round-trip through JSON). A rank killed mid-evaluation releases its lock with its process.
-The rank that runs an evaluation runs it on every core this process may use (`threads`, default
-os.sched_getaffinity), then goes back to its training threads: the other ranks of the host wait for it on the lock
-and the clock is stopped, so the cores are idle otherwise (lm on this 2-core box: 571 -> 319 ms per evaluation).
-
 Only strategies whose evaluation is a function of the module's own state, computed by the rank alone, take it
 (Strategy.evaluates_alone): not TorchRec (its tables are ShardedTensors, and its forward a collective a rank waiting
 here would stall) nor hybrid (its tables live on the shards, outside the digest).
@@ -43,10 +39,9 @@ def model_digest(model: nn.Module) -> str:
 class SharedEvaluations:
     """evaluate(model) -> dict, each distinct model state evaluated once per directory (see the module docstring)."""
 
-    def __init__(self, directory: str, evaluate: Callable[[nn.Module], dict], threads: int | None = None):
+    def __init__(self, directory: str, evaluate: Callable[[nn.Module], dict]):
         os.makedirs(directory, exist_ok=True)
         self.directory, self.evaluate = directory, evaluate
-        self.threads = threads or len(os.sched_getaffinity(0))
 
     def __call__(self, model: nn.Module) -> dict:
         path = os.path.join(self.directory, f"eval-{model_digest(model)}.json")
@@ -55,12 +50,7 @@ class SharedEvaluations:
             if os.path.exists(path):
                 with open(path) as f:
                     return json.load(f)
-            training_threads = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
-            try:
-                evaluation = self.evaluate(model)
-            finally:
-                torch.set_num_threads(training_threads)
+            evaluation = self.evaluate(model)
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump(evaluation, f)

@@ -85,7 +85,8 @@ class Nodes:
                 path = os.path.join(self._zygote_dir, f"node{self.topology_index(i)}" if self.topo else "local")
                 if self.topo and self._hub is None:     # torch imported once, not once per node on shared cores
                     hub = os.path.join(self._zygote_dir, "hub")
-                    self._hub = Zygote(hub, log=hub + ".log").ready()
+                    self._hub = Zygote(hub, log=hub + ".log")     # held before ready(): close() stops it
+                    self._hub.ready()
             node = self.topo.node(self.topology_index(i)) if self._hub else None
             self._starters[machine] = Starter(path, list(machine), hub=self._hub, node=node)
             started.append(self._starters[machine])

@@ -11,8 +11,11 @@ caller moves each child into the node's CPU cap by pid, as it does a fresh proce
 Protocol (a Unix socket: its path is reachable from every network namespace): the caller sends one JSON line
 {"argv": [...], "env": {...}, "cwd": ...} with the child's stdout (and, if it differs, stderr) as file descriptors
 beside it (SCM_RIGHTS: a log file the caller opened, or its own terminal); the zygote answers {"pid": N}, then,
-when the child exits, {"returncode": rc} (negative: killed by that signal, as subprocess reports it). The zygote stays
-single-threaded (a child forked while another thread held a lock would inherit it held).
+when the child exits, {"returncode": rc} (negative: killed by that signal, as subprocess reports it). A request with
+{"zygote": SOCKET, "node": {"netns": NS, "hostname": NAME}} (argv may be empty, the descriptor is its log) forks a
+zygote of a bench network's node instead: the child enters the node in-process (deltaps/tools/node_host.py enter)
+and serves SOCKET — so one hub imports torch for every node. The zygote stays single-threaded (a child forked while
+another thread held a lock would inherit it held; the kernel gives a new mount namespace only to a single thread).
 What a child does not get afresh: modules imported before the fork (frozen out of the garbage collector, gc.freeze,
 so a child's collections neither walk them nor copy their pages), and environment variables torch reads at import
 (the zygote's environment, i.e. the caller's, holds for those). Python's `random` reseeds at fork itself. `ps`
@@ -37,7 +40,11 @@ from deltaps.errors import JobFailed
 from deltaps.tools import node_host
 from deltaps.tools.process_tree import kill_descendants, stop_processes
 
-PRELOADED = ("torch", "torch._dynamo", "numpy")    # what costs a start its ~2 s of a core
+# what costs a start its ~2 s of a core, then deltaps' own modules that every shard and worker imports (~0.15 s of a
+# core each where bytecode is not cached, PYTHONDONTWRITEBYTECODE; none of them starts a thread or reads the
+# environment at import, so a child's own environment still holds)
+PRELOADED = ("torch", "torch._dynamo", "numpy", "deltaps.cli", "ps.server", "worker.trainers.loop",
+             "worker.trainers.ps", "worker.trainers.torchft_peer")
 POLL_S = 0.05                                      # how soon a child's exit is reported
 UNKNOWN_EXIT = 255          # a child that outlived its zygote: its exit status is lost, so it counts as failed
 
@@ -223,7 +230,7 @@ class Zygote:
         self.path, self.log = path, log
         out = open(log or os.devnull, "w")
         if hub is not None:
-            self.proc = hub.spawn([], out, request={"zygote": path, "node": node})
+            self.proc = hub.spawn([], out, node_zygote={"zygote": path, "node": node})
         else:
             self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "deltaps.tools.zygote", path],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -241,15 +248,15 @@ class Zygote:
         return self
 
     def spawn(self, argv: list[str], stdout=None, env: dict | None = None, stderr=None,
-              request: dict | None = None) -> "Forked":
+              node_zygote: dict | None = None) -> "Forked":
         """`deltaps <argv...>` forked from the zygote, its output to stdout (a file or a descriptor; None: this
-        process's), its errors to stderr (None: with the output, as Popen's stderr=STDOUT); request: more fields
-        of the request (a node's zygote)."""
+        process's), its errors to stderr (None: with the output, as Popen's stderr=STDOUT); node_zygote: the request
+        fields that ask for a node's zygote instead ({"zygote": SOCKET, "node": {...}})."""
         fd = lambda f, own: own.fileno() if f is None else f if isinstance(f, int) else f.fileno()  # noqa: E731
         out = fd(stdout, sys.stdout)
         fds = [out] if stderr is None or fd(stderr, sys.stderr) == out else [out, fd(stderr, sys.stderr)]
         request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env), "cwd": os.getcwd(),
-                              **(request or {})})
+                              **(node_zygote or {})})
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)

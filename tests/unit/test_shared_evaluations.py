@@ -2,11 +2,9 @@
 each with its own open lock file (flock locks an open file, so they exclude each other as processes do); real worker
 processes: tests/cluster/test_launch.py."""
 import json
-import os
 import threading
 import time
 
-import pytest
 import torch
 from torch import nn
 
@@ -90,27 +88,3 @@ def test_only_strategies_that_evaluate_alone_share():
     assert not strategy_class("torchrec").evaluates_alone
     assert not strategy_class("hybrid").evaluates_alone
     assert all(strategy_class(m).evaluates_alone for m in ("ps", "allreduce", "torchft"))
-
-
-def test_the_evaluating_rank_uses_the_hosts_cores_then_its_training_threads(tmp_path):
-    """The other ranks wait on the lock and the clock is stopped: the evaluation gets `threads` (default: the cores
-    this process may use); training goes on with the threads it had, also after an evaluation that failed."""
-    seen = []
-
-    def evaluate(model: nn.Module) -> dict:
-        seen.append(torch.get_num_threads())
-        if len(seen) == 2:
-            raise RuntimeError("evaluation failed")
-        return {"test_accuracy": 0.5}
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        shared = SharedEvaluations(str(tmp_path / "evals"), evaluate, threads=2)
-        shared(_model(0))
-        assert seen == [2] and torch.get_num_threads() == 1
-        with pytest.raises(RuntimeError, match="evaluation failed"):
-            shared(_model(1))
-        assert seen == [2, 2] and torch.get_num_threads() == 1
-        assert SharedEvaluations(str(tmp_path / "more"), evaluate).threads == len(os.sched_getaffinity(0))
-    finally:
-        torch.set_num_threads(before)
