@@ -90,7 +90,7 @@ DELTAPS_EXTRA_1gbit = ps-local32:int8:shards=2
 # faster in each seed; docs/bench-select-clf-100mbit-lowbit-overlap-validation.json)
 DELTAPS_EXTRA_100mbit = ps-local32o2:lowbit:bits=2
 # lm's step is compute-bound here (~100 ms with 4 workers on 2 cores: >= 40 s a mode), so its races run the best two
-# peers of the clf races and the best deltaps modes only (the six races in one go at ece531c: 3,749 s, ~62 minutes,
+# peers of the clf races and the best deltaps modes only (`make bench-peers` in one go at a2b9140: 3,558 s, 59 min 19 s;
 # docs/compare.md)
 PEERS_lm = $(if $(filter 1gbit,$(1)),ddp$(comma))torchft:diloco:sync=32:wire=fp16,torchft:diloco:sync=64:wire=bf16
 DELTAPS_lm = ps-local32:int8,ps-local32x4o4:int8
