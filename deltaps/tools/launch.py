@@ -131,6 +131,8 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         failed = wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 2.0)
         if failed:
             raise workers_failed(failed, tmp)
+    except JobFailed as e:      # the job's directory stays for its logs: say where
+        raise e if tmp in str(e) else JobFailed(f"{e} (logs in {tmp})") from e
     finally:
         stop_processes(workers)
         stop_processes(servers)

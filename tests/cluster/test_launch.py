@@ -1,6 +1,7 @@
 """End to end with real processes on loopback: `deltaps launch`, and the rollback switch on a live job."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -151,4 +152,7 @@ def test_a_failed_job_is_one_error_line_not_a_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "deltaps launch: error: server exited with code 2 before listening" in proc.stderr
+    kept = proc.stderr.split("(logs in ")[1].split(")")[0]      # the failed job's logs stay, named in the error
+    assert "--no-such-flag" in (Path(kept) / "server0.log").read_text()
+    shutil.rmtree(kept)
     assert "Traceback" not in proc.stderr
