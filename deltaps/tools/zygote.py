@@ -228,13 +228,12 @@ class Zygote:
         zygote on this machine) and a node ({netns, hostname}: netns.Topology.node), it is forked from the hub into
         that node instead of started through the prefix: torch is imported once for every node of a bench network."""
         self.path, self.log = path, log
-        out = open(log or os.devnull, "w")
-        if hub is not None:
-            self.proc = hub.spawn([], out, node_zygote={"zygote": path, "node": node})
-        else:
-            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "deltaps.tools.zygote", path],
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        out.close()
+        with open(log or os.devnull, "w") as out:      # the child holds its own copy; ours closes on errors too
+            if hub is not None:
+                self.proc = hub.spawn([], out, node_zygote={"zygote": path, "node": node})
+            else:
+                self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "deltaps.tools.zygote", path],
+                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def ready(self, timeout: float = 120.0) -> "Zygote":
         deadline = time.monotonic() + timeout
