@@ -1,4 +1,3 @@
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,9 +39,29 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "demo.yaml")
 
 
+_STARTER = []
+
+
+def start_program(argv, log):
+    """`deltaps <argv...>` with its output (and errors) to log, forked from this session's zygote (deltaps/tools/
+    zygote.py: torch imported once, as `deltaps launch` and the bench start their programs — a fresh interpreter's
+    imports cost a worker ~3 s of CPU); the child's cwd is ROOT. A real process: kill -9, exit codes as Popen's."""
+    if not _STARTER:
+        import atexit
+        import shutil
+        import tempfile
+
+        from deltaps.tools.zygote import Starter
+        scratch = tempfile.mkdtemp(prefix="deltaps-tests-zygote-")
+        starter = Starter(str(Path(scratch) / "zygote")).ready()
+        atexit.register(lambda: (starter.close(), shutil.rmtree(scratch, ignore_errors=True)))
+        _STARTER.append(starter)
+    return _STARTER[0](argv, log, cwd=str(ROOT))
+
+
 def server_proc(i, port, log, *flags):
-    return subprocess.Popen(DELTAPS + ["--log-level", "INFO", "server", "--port", str(port), "--shard-id", str(i),
-                                       "--num-shards", "2", *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return start_program(["--log-level", "INFO", "server", "--port", str(port), "--shard-id", str(i), "--num-shards",
+                          "2", *flags], log)
 
 
 def start_shards(procs, *flags):
@@ -58,9 +77,8 @@ def start_shards(procs, *flags):
 
 
 def worker_proc(r, addrs, tmp, log, *flags, world=2):
-    return subprocess.Popen(DELTAPS + ["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", str(world),
-                                       "--config", CONFIG, "--no-progress", "--result-json", str(tmp / f"w{r}.json"),
-                                       *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return start_program(["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", str(world),
+                          "--config", CONFIG, "--no-progress", "--result-json", str(tmp / f"w{r}.json"), *flags], log)
 
 
 def stats(addr):

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name prefix of the namespaces/links this run creates (and whose stale leftovers it removes)")
     p.add_argument("--json", help="write the report JSON here")
     p.add_argument("--plot", help="write a PNG (step-time split and accuracy per mode) here")
-    p.add_argument("--keep-logs", action="store_true", help="keep the log directory (printed) instead of removing it")
+    p.add_argument("--keep-logs", action="store_true", help="keep the log directory (printed); a run that failed keeps it anyway")
     return p
 
 
@@ -158,12 +158,12 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
     t0 = time.perf_counter()
     try:
         if cfg.mode in ("ps", "hybrid"):
+            port_files, server_logs = [[os.path.join(d, f"server{i}.{ext}") for i in range(S)] for ext in ("port", "log")]
             for i in range(S):
                 servers.append(net.spawn(i, ["server", "--host", net.addr(i), "--port", "0", "--shard-id", str(i),
-                                             "--num-shards", str(S), "--port-file", os.path.join(d, f"server{i}.port"),
-                                             "--wait-timeout", str(args.timeout * 2)],
-                                         os.path.join(d, f"server{i}.log")))
-            addrs = [f"{net.addr(i)}:{wait_port_file(os.path.join(d, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
+                                             "--num-shards", str(S), "--port-file", port_files[i],
+                                             "--wait-timeout", str(args.timeout * 2)], server_logs[i]))
+            addrs = [f"{net.addr(i)}:{wait_port_file(port_files[i], p, log=server_logs[i])}" for i, p in enumerate(servers)]
             target = ["--servers", ",".join(addrs)]
             if cfg.mode == "hybrid":   # + the gloo rendezvous of the dense part
                 target += ["--master-addr", net.addr(worker_nodes[0]), "--master-port",
@@ -367,8 +367,9 @@ def compare(args) -> dict:
             left = netns.list_leftovers(topo.prefix)
             report["network"]["teardown_clean"] = not (left["netns"] or left["links"])
         netns.restore_signal_handlers(old)
-    if args.keep_logs:
-        print(f"logs: {tmp}")
+    failed = [spec for spec, r in runs.items() if any("error" in m for m in r)]
+    if args.keep_logs or failed:      # a failed run's error names its directory in tmp: keep it
+        print(f"logs: {tmp}" + (f" (kept: {len(failed)} mode(s) failed)" if failed and not args.keep_logs else ""))
     else:
         shutil.rmtree(tmp, ignore_errors=True)
     bench_report.add_speedups(report)

@@ -17,15 +17,20 @@ from deltaps.tools.zygote import Starter
 from worker.trainers.strategy import strategy_class
 
 
-def wait_port_file(path: str, proc: subprocess.Popen, timeout: float = 60.0) -> int:
+def wait_port_file(path: str, proc: subprocess.Popen, timeout: float = 60.0, log: str | None = None) -> int:
+    """The port a child wrote to path; a child that exits first (or never writes it) fails naming log and its tail."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if os.path.exists(path):
             return int(open(path).read())
         if proc.poll() is not None:
-            raise JobFailed(f"server exited with code {proc.returncode} before listening")
+            raise JobFailed(f"server exited with code {proc.returncode} before listening" + _log_tail(log))
         time.sleep(0.05)
-    raise TimeoutError("server did not start listening in time")
+    raise TimeoutError(f"server did not start listening in {timeout:g} s" + _log_tail(log))
+
+
+def _log_tail(log: str | None) -> str:
+    return f" (log {log}):\n{tail_file(log)}" if log else ""
 
 
 _HANDED_OUT: set[int] = set()
@@ -96,7 +101,8 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                                       "--num-shards", str(cfg.servers), "--port-file", os.path.join(tmp, f"server{i}.port"),
                                       *_metrics_args(metrics, host, os.path.join(tmp, f"server{i}.metrics.port")),
                                       *security.server.argv("server"), *(server_args or [])], log))
-        addrs = [f"{host}:{wait_port_file(os.path.join(tmp, f'server{i}.port'), p)}" for i, p in enumerate(servers)]
+        addrs = [f"{host}:{wait_port_file(os.path.join(tmp, f'server{i}.port'), p, log=os.path.join(tmp, f'server{i}.log'))}"
+                 for i, p in enumerate(servers)]
         target = ["--servers", ",".join(addrs)] if needs.needs_servers else []
         if needs.collective:         # a gloo rendezvous (DDP, hybrid's dense allreduce, pipeline stages' p2p)
             target += ["--master-addr", host, "--master-port", str(free_port(host))]

@@ -247,14 +247,14 @@ class Zygote:
         return self
 
     def spawn(self, argv: list[str], stdout=None, env: dict | None = None, stderr=None,
-              node_zygote: dict | None = None) -> "Forked":
+              node_zygote: dict | None = None, cwd: str | None = None) -> "Forked":
         """`deltaps <argv...>` forked from the zygote, its output to stdout (a file or a descriptor; None: this
-        process's), its errors to stderr (None: with the output, as Popen's stderr=STDOUT); node_zygote: the request
-        fields that ask for a node's zygote instead ({"zygote": SOCKET, "node": {...}})."""
+        process's), its errors to stderr (None: with the output, as Popen's stderr=STDOUT), in cwd (None: ours);
+        node_zygote: the request fields that ask for a node's zygote instead ({"zygote": SOCKET, "node": {...}})."""
         fd = lambda f, own: own.fileno() if f is None else f if isinstance(f, int) else f.fileno()  # noqa: E731
         out = fd(stdout, sys.stdout)
         fds = [out] if stderr is None or fd(stderr, sys.stderr) == out else [out, fd(stderr, sys.stderr)]
-        request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env), "cwd": os.getcwd(),
+        request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env), "cwd": cwd or os.getcwd(),
                               **(node_zygote or {})})
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -297,12 +297,12 @@ class Starter:
             self.zygote.ready()
         return self
 
-    def __call__(self, argv: list[str], stdout=None, env: dict | None = None):
+    def __call__(self, argv: list[str], stdout=None, env: dict | None = None, cwd: str | None = None):
         env = self.env if env is None else env
         if self.zygote is not None:
-            return self.zygote.spawn(argv, stdout, env, stderr=None if stdout is not None else sys.stderr)
+            return self.zygote.spawn(argv, stdout, env, stderr=None if stdout is not None else sys.stderr, cwd=cwd)
         return subprocess.Popen([*self.prefix, sys.executable, "-m", "deltaps", *argv], stdout=stdout,
-                                stderr=None if stdout is None else subprocess.STDOUT, env=env)
+                                stderr=None if stdout is None else subprocess.STDOUT, env=env, cwd=cwd)
 
     def close(self) -> None:
         if self.zygote is not None:

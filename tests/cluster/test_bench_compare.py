@@ -109,6 +109,26 @@ def test_bench_compare_small(tmp_path, monkeypatch):
     assert not list((tmp_path / "scratch").glob("deltaps-*"))     # logs, evaluations, zygotes: removed without --keep-logs
 
 
+def test_a_failed_run_keeps_its_logs_and_its_error_names_them(tmp_path, monkeypatch):
+    """A shard that exits before listening fails its mode with the shard's log named (and its tail quoted); the
+    scratch directory that holds the log stays though --keep-logs was not given."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spawn = Nodes.spawn
+
+    def broken_shards(self, i, argv, *rest, **kw):
+        return spawn(self, i, argv + ["--no-such-flag"] if argv[0] == "server" else argv, *rest, **kw)
+    monkeypatch.setattr(Nodes, "spawn", broken_shards)
+    out = tmp_path / "r.json"
+    rc = bc.main(["--workers", "2", "--servers", "1", "--steps", "5", "--hidden", "64", "--modes", "ps:int8",
+                  "--no-shaping", "--json", str(out)])
+    assert rc == 1
+    error = json.loads(out.read_text())["modes"]["ps:int8"]["error"]
+    assert "server exited with code 2 before listening" in error and "--no-such-flag" in error
+    log = error.split("(log ")[1].split(")")[0]
+    assert log.endswith("server0.log") and "unrecognized arguments: --no-such-flag" in open(log).read()
+    assert len(list(tmp_path.glob("deltaps-compare-*"))) == 1      # kept
+
+
 @pytest.mark.slow
 def test_bench_compare_time_to_accuracy(tmp_path):
     """Both modes race to a (low) test accuracy on the clf workload and stop there; the report leads with it."""

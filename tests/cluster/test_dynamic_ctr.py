@@ -3,6 +3,7 @@ fixed table (sized for every id) and dynamic ones (rows made on first touch, TTL
 processes on loopback; and a table larger than a worker's memory limit trains through the shards while DDP, which
 holds the table in every worker, fails with the allocation error."""
 import json
+import shutil
 
 import pytest
 
@@ -48,5 +49,6 @@ def test_a_table_past_the_worker_memory_limit_trains_through_the_shards():
     summary = launch(load_job(None, _job("hybrid", LIMIT)), quiet=True)
     assert summary["steps"] == 6 and 0.4 < summary["per_worker"][0]["final_test_auc"] <= 1.0
     assert max(w["peak_rss_bytes"] for w in summary["per_worker"]) < 2 << 30
-    with pytest.raises(RuntimeError, match="(?s)worker.*failed.*out of memory \\(--worker-memory-limit 1GiB\\)"):
+    with pytest.raises(RuntimeError, match="(?s)worker.*failed.*out of memory \\(--worker-memory-limit 1GiB\\)") as e:
         launch(load_job(None, _job("allreduce", LIMIT)), quiet=True)
+    shutil.rmtree(str(e.value).split("(logs in ")[1].split(")")[0])    # the failed job's directory, kept for its logs

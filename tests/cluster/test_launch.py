@@ -152,7 +152,8 @@ def test_a_failed_job_is_one_error_line_not_a_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "deltaps launch: error: server exited with code 2 before listening" in proc.stderr
-    kept = proc.stderr.split("(logs in ")[1].split(")")[0]      # the failed job's logs stay, named in the error
-    assert "--no-such-flag" in (Path(kept) / "server0.log").read_text()
-    shutil.rmtree(kept)
+    log = Path(proc.stderr.split("(log ")[1].split(")")[0])      # the failed job's logs stay, named in the error
+    assert log.name == "server0.log" and "--no-such-flag" in log.read_text()
+    assert "unrecognized arguments: --no-such-flag" in proc.stderr      # the log's tail, in the error itself
+    shutil.rmtree(log.parent)
     assert "Traceback" not in proc.stderr
