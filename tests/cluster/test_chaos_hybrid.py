@@ -4,22 +4,19 @@ AUC equal those of the same job without the crash (bsp)."""
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from helpers import start_program
 
 from deltaps.tools.launch import free_port
 from protos import pb, rpc
 from ps.checkpoint import load_latest
 
 pytestmark = pytest.mark.slow
-DELTAPS = [sys.executable, "-m", "deltaps"]
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, KILL_AT = 40, 14
 JOB = ["--mode", "hybrid", "--workload", "ctr", "--steps", str(STEPS), "--batch-size", "64", "--embedding-rows",
        "20000", "--embedding-dim", "8", "--hidden", "32", "--layers", "1", "--timeout-s", "60",
@@ -28,9 +25,8 @@ SERVER = ["--checkpoint-every-steps", "5", "--embedding-memory-cap", "64MiB", "-
 
 
 def _server(i, port, log, *flags):
-    return subprocess.Popen(DELTAPS + ["--log-level", "INFO", "server", "--port", str(port), "--shard-id", str(i),
-                                       "--num-shards", "2", *SERVER, *flags],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return start_program(["--log-level", "INFO", "server", "--port", str(port), "--shard-id", str(i), "--num-shards",
+                          "2", *SERVER, *flags], log)
 
 
 def _emb_version(addr):
@@ -64,11 +60,11 @@ def _run(tmp: Path, kill_at=None):
         servers = [_server(i, ports[i], logs[f"server{i}"], "--checkpoint-dir", str(ckpt)) for i in range(2)]
         procs += servers
         master = str(free_port())
-        workers = [subprocess.Popen(DELTAPS + ["worker", "--servers", ",".join(addrs), "--rank", str(r),
-                                               "--world-size", "2", "--master-addr", "127.0.0.1", "--master-port",
-                                               master, "--result-json", str(tmp / f"w{r}.json"), *JOB,
-                                               *(["--save-model", str(tmp / "model.pt")] if r == 0 else [])],
-                                    stdout=logs[f"worker{r}"], stderr=subprocess.STDOUT, cwd=ROOT) for r in range(2)]
+        save = ["--save-model", str(tmp / "model.pt")]       # rank 0's dense parameters
+        workers = [start_program(["worker", "--servers", ",".join(addrs), "--rank", str(r), "--world-size", "2",
+                                  "--master-addr", "127.0.0.1", "--master-port", master, "--result-json",
+                                  str(tmp / f"w{r}.json"), *JOB, *(save if r == 0 else [])], logs[f"worker{r}"])
+                   for r in range(2)]
         procs += workers
         outage = None
         if kill_at is not None:

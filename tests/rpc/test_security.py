@@ -331,8 +331,8 @@ def test_launch_passes_token_by_env_and_tls_by_flags(pki, tmp_path, monkeypatch,
             if "deltaps.tools.zygote" not in args:
                 seen.append((list(args), kw.get("env"), cmdline(self.pid)))
 
-    def spawn_spy(self, argv, stdout=None, env=None, stderr=None):
-        proc = real_spawn(self, argv, stdout, env, stderr)
+    def spawn_spy(self, argv, stdout=None, env=None, stderr=None, **kw):
+        proc = real_spawn(self, argv, stdout, env, stderr, **kw)
         seen.append((list(argv), env, cmdline(proc.pid)))
         return proc
 
