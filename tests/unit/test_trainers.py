@@ -226,3 +226,24 @@ def test_torchft_fragments_hold_every_parameter_once(workload):
         assert len(parts) == count and len(held) == len(set(held)) and set(held) == every, count
     with pytest.raises(ValueError, match="top-level parts"):
         fragments(model, blocks + 1)
+
+
+def test_a_process_group_teardown_that_hangs_is_left_behind_after_its_wait(caplog):
+    """gloo's teardown can hang once the other ranks have gone (pytorch/pytorch#75097): the worker waits a bounded
+    time, says so, and goes on to write its result; a teardown that finishes or fails is reported as such."""
+    import threading
+    import time
+
+    from worker.trainers.collective import destroy_process_group_within
+    release = threading.Event()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="deltaps.worker"):
+        assert destroy_process_group_within(0.2, destroy=release.wait) is False
+    assert time.monotonic() - t0 < 5 and "did not finish in 0.2 s" in caplog.text
+    release.set()
+    assert destroy_process_group_within(5, destroy=lambda: None) is True
+
+    def broken():
+        raise RuntimeError("Connection closed by peer")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        destroy_process_group_within(5, destroy=broken)

@@ -1,6 +1,6 @@
 """torch.distributed plumbing shared by the trainers that run a process group (allreduce, hybrid, pipeline):
-rendezvous, process-group start, the timed DDP allreduce hook (optionally running one of torch's comm hooks,
-worker/trainers/ddp_hooks.py, inside it), the ring byte model, the server_stats barrier.
+rendezvous, process-group start and bounded teardown, the timed DDP allreduce hook (optionally running one of torch's
+comm hooks, worker/trainers/ddp_hooks.py, inside it), the ring byte model, the server_stats barrier.
 
 Timing with the hook: a DDP communication hook timestamps each gradient bucket when autograd hands it over
 (`AllreduceHookState.last_ready`); backward() returns only after every bucket's allreduce finished, so
@@ -10,12 +10,17 @@ blocked on the allreduce rather than computing (worker/trainers/allreduce.py des
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 import time
 
 import torch.distributed as dist
 
 from deltaps.strategies import HALF_HOOKS
 from worker.trainers.ddp_hooks import PeerHook, build_hook, parse_ddp_hook
+
+log = logging.getLogger("deltaps.worker")
+TEARDOWN_S = 10.0       # how long a worker waits for its process group's teardown
 
 
 def ring_bytes(grad_bytes: int, world_size: int) -> int:
@@ -28,6 +33,31 @@ def init_process_group(cfg, rank: int, world_size: int, master_addr: str, master
     """The job's process group over TCP rendezvous; collectives time out after 4 x --timeout-s."""
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s * 4))
+
+
+def destroy_process_group_within(seconds: float = TEARDOWN_S, destroy=None) -> bool:
+    """dist.destroy_process_group(), waited for at most `seconds`: gloo's teardown can hang once the other ranks
+    have gone (pytorch/pytorch#75097, open; seen here once in ~40 runs of a 2-rank DDP job after its last barrier).
+    The job's result does not depend on it: past the wait the worker says so and goes on to write its result and
+    exit (os._exit, deltaps/cli/worker.py), leaving the teardown's thread behind. True if the teardown finished; its
+    error, if it raised one, is raised here."""
+    done, failed = threading.Event(), []
+
+    def teardown():
+        try:
+            (destroy or dist.destroy_process_group)()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(e)
+        finally:
+            done.set()
+    threading.Thread(target=teardown, name="process-group-teardown", daemon=True).start()
+    if not done.wait(seconds):
+        log.warning("the process group's teardown did not finish in %g s (gloo, pytorch/pytorch#75097); "
+                    "leaving it to the process exit", seconds)
+        return False
+    if failed:
+        raise failed[0]
+    return True
 
 
 class AllreduceHookState:

@@ -4,12 +4,15 @@ Lifecycle of one worker run: threads (torch gets one intra-op thread per process
 cluster share the host's cores) -> the workload and the strategy from their registries -> the process group
 (collective strategies) -> setup -> begin -> `for step in run.steps()`: batch, train_step, record, metrics,
 evaluation off the clock (may end the job at the target), end_step -> finish (the job's final model) -> final evaluation, saved
-model, result -> report (server stats, barriers) -> close, whatever happened.
+model, result -> report (server stats, barriers) -> close, whatever happened (the process group's teardown bounded;
+a hang past --timeout-s after training dumps every thread's stack to the log).
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import resource
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,7 @@ import torch.distributed as dist
 from deltaps.units import parse_bytes
 from worker.shared_evaluations import SharedEvaluations
 from worker.trainers.base import RunRecorder, save_model
-from worker.trainers.collective import init_process_group
+from worker.trainers.collective import destroy_process_group_within, init_process_group
 from worker.trainers.context import RunContext
 from worker.trainers.strategy import check_job, strategy_class
 from worker.workloads import get_workload
@@ -43,6 +46,9 @@ def train(cfg, ctx: RunContext) -> dict:
         strategy.begin(run)
         slow = cfg.straggler_of(ctx.rank)
         _steps(strategy, run, ctx, slow)
+        # the end of a job waits on the others (barriers, a shared final evaluation, the teardown): should it hang,
+        # the stacks of every thread go to this worker's log while it hangs
+        faulthandler.dump_traceback_later(cfg.timeout_s, exit=False, file=sys.__stderr__)
         fields = strategy.finish(run)
         evaluation = workload.evaluate(strategy.model)
         if cfg.save_model:
@@ -58,7 +64,8 @@ def train(cfg, ctx: RunContext) -> dict:
     finally:
         strategy.close()
         if strategy.collective and dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group_within()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _steps(strategy, run: RunRecorder, ctx: RunContext, slow: float = 1.0) -> None:
