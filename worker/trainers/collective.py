@@ -37,7 +37,7 @@ def init_process_group(cfg, rank: int, world_size: int, master_addr: str, master
 
 def destroy_process_group_within(seconds: float = TEARDOWN_S, destroy=None) -> bool:
     """dist.destroy_process_group(), waited for at most `seconds`: gloo's teardown can hang once the other ranks
-    have gone (pytorch/pytorch#75097, open; seen here once in ~40 runs of a 2-rank DDP job after its last barrier).
+    have gone (pytorch/pytorch#75097, open; seen here once: a 2-rank DDP job of a fresh-clone `make test`).
     The job's result does not depend on it: past the wait the worker says so and goes on to write its result and
     exit (os._exit, deltaps/cli/worker.py), leaving the teardown's thread behind. True if the teardown finished; its
     error, if it raised one, is raised here."""
