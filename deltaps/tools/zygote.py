@@ -68,7 +68,10 @@ def serve(path: str) -> tuple[dict, list[int]]:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a Ctrl-C reaches the caller, which stops children, then us
     listener.settimeout(POLL_S)
     children: dict[int, socket.socket] = {}
+    caller = os.getppid()
     while not stopping:
+        if os.getppid() != caller:      # our caller died without stopping us (kill -9): nobody will ask or stop us
+            break
         reap(children)
         try:
             conn, _ = listener.accept()

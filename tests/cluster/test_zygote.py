@@ -124,6 +124,33 @@ def test_a_child_that_outlives_its_zygote_is_watched_to_its_end(tmp_path):
         z.spawn(["server", "--help"], out)
 
 
+def test_a_zygote_whose_caller_died_stops_serving(tmp_path):
+    """A caller killed -9 (a launcher, a test session) never stops its zygote: the zygote sees it gone, stops
+    serving and removes its socket instead of holding torch's memory forever."""
+    import sys
+    from pathlib import Path
+    path = tmp_path / "z.sock"
+    caller = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "zygote_parent.py"), str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(caller.stdout.readline())
+        assert path.exists()
+        caller.kill()
+        caller.wait()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z" \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert time.monotonic() < deadline, "the zygote went on serving after its caller died"
+        assert not path.exists()
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+        if pid is not None and os.path.exists(f"/proc/{pid}"):     # a zygote that served on: not left behind
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_zygote_that_cannot_start_says_so(tmp_path):
     z = Zygote(str(tmp_path / "no-such-dir" / "z.sock"), log=str(tmp_path / "z.log"))
     with pytest.raises(ZygoteUnavailable, match="did not start") as failed:
