@@ -19,7 +19,7 @@ another thread held a lock would inherit it held; the kernel gives a new mount n
 What a child does not get afresh: modules imported before the fork (frozen out of the garbage collector, gc.freeze,
 so a child's collections neither walk them nor copy their pages), and environment variables torch reads at import
 (the zygote's environment, i.e. the caller's, holds for those). Python's `random` reseeds at fork itself. `ps`
-shows a child with the zygote's command line.
+shows a child with the zygote's command line. A zygote stops on SIGTERM, or by itself once its caller is gone.
 """
 from __future__ import annotations
 
