@@ -7,8 +7,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -127,8 +129,6 @@ def test_a_child_that_outlives_its_zygote_is_watched_to_its_end(tmp_path):
 def test_a_zygote_whose_caller_died_stops_serving(tmp_path):
     """A caller killed -9 (a launcher, a test session) never stops its zygote: the zygote sees it gone, stops
     serving and removes its socket instead of holding torch's memory forever."""
-    import sys
-    from pathlib import Path
     path = tmp_path / "z.sock"
     caller = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "zygote_parent.py"), str(path)],
                               stdout=subprocess.PIPE, text=True)
