@@ -1,6 +1,7 @@
 """`deltaps worker`: run one training worker of any mode (worker/trainers/loop.py: the one loop)."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -52,9 +53,11 @@ def worker_context(args, cfg):
 
 def run(args) -> int:
     from deltaps.errors import PSError
+    from deltaps.tools.process_tree import STACKS_SIGNAL
     from worker.trainers.loop import train
     from worker.trainers.strategy import WorkerStopped
 
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a launcher asks a worker past its deadline where it waits
     cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
     ctx = worker_context(args, cfg)
     try:

@@ -139,10 +139,14 @@ def wait_within_cap(workers, timeout_s: float, eval_logs: list[str], cap_s: floa
     """launch.wait_workers, watching the ranks' eval logs: None as soon as the mode is past the cap (the caller
     stops the workers), else what wait_workers returns (the failed ranks; [] when all succeeded)."""
     from deltaps.tools.launch import wait_workers
+    from deltaps.tools.process_tree import ask_for_stacks
     deadline = time.monotonic() + timeout_s
     while True:
         failed = wait_workers(workers, max(0.0, min(1.0, deadline - time.monotonic())))
-        if any(code != "timeout" for _, code in failed) or not failed or time.monotonic() >= deadline:
+        if any(code != "timeout" for _, code in failed) or not failed:
+            return failed
+        if time.monotonic() >= deadline:
+            ask_for_stacks(workers)         # past the deadline: each hung worker's log gets its stacks
             return failed
         if cap_s is not None and past_cap(read_eval_logs(eval_logs), cap_s):
             return None

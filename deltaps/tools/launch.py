@@ -12,7 +12,7 @@ import time
 from deltaps.cli.lighthouse import torchft_missing
 from deltaps.config import TrainConfig, save_config
 from deltaps.errors import JobFailed
-from deltaps.tools.process_tree import stop_processes
+from deltaps.tools.process_tree import ask_for_stacks, stop_processes
 from deltaps.tools.zygote import Starter
 from worker.trainers.strategy import strategy_class
 
@@ -135,6 +135,8 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
             if not quiet:
                 print("deltaps launch: metrics at " + " ".join(metrics_urls), flush=True)
         failed = wait_workers(workers, cfg.timeout_s * 4 + 60 + cfg.steps * 2.0)
+        if any(code == "timeout" for _, code in failed):
+            ask_for_stacks(workers)
         if failed:
             raise workers_failed(failed, tmp)
     except JobFailed as e:      # the job's directory stays for its logs: say where

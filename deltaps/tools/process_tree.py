@@ -50,3 +50,17 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+STACKS_SIGNAL = signal.SIGUSR1      # a deltaps worker writes every thread's stack to its log on it (faulthandler)
+
+
+def ask_for_stacks(procs, settle_s: float = 0.5) -> int:
+    """Workers still running past their deadline: ask each for its threads' stacks (STACKS_SIGNAL; `deltaps worker`
+    registers it), so the log the error quotes shows where it waits. The number asked."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.send_signal(STACKS_SIGNAL)
+    if alive:
+        time.sleep(settle_s)        # faulthandler writes from its signal handler at once; leave it that long
+    return len(alive)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import client
+from helpers import client, start_program
 
 pytestmark = pytest.mark.slow
 DELTAPS = [sys.executable, "-m", "deltaps"]
@@ -157,3 +157,34 @@ def test_a_failed_job_is_one_error_line_not_a_traceback(tmp_path):
     assert "unrecognized arguments: --no-such-flag" in proc.stderr      # the log's tail, in the error itself
     shutil.rmtree(log.parent)
     assert "Traceback" not in proc.stderr
+
+
+def test_a_worker_past_its_deadline_is_asked_where_it_waits(tmp_path):
+    """Before the launchers stop a worker that overran its deadline they ask it for its stacks (SIGUSR1,
+    faulthandler): its log, which the error quotes, shows where it waits — here, reconnecting to a shard that is
+    not there."""
+    from deltaps.tools.process_tree import STACKS_SIGNAL, ask_for_stacks
+    log_path = tmp_path / "worker0.log"
+    with open(log_path, "w") as log:
+        worker = start_program(["worker", "--servers", "127.0.0.1:1", "--rank", "0", "--world-size", "1", "--config",
+                                CONFIG, "--no-progress", "--reconnect-deadline-s", "60"], log)
+    try:
+        deadline = time.monotonic() + 30
+        while not catches(worker.pid, STACKS_SIGNAL):       # asked before it listens, a process would die of it
+            assert worker.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        while "worker/session.py" not in log_path.read_text():   # until its shard registration is retrying
+            assert ask_for_stacks([worker], settle_s=0.3) == 1 and time.monotonic() < deadline, log_path.read_text()
+        assert "most recent call first" in log_path.read_text()
+        assert worker.poll() is None            # asked, not stopped
+    finally:
+        worker.kill()
+        worker.wait(10)
+    assert ask_for_stacks([worker]) == 0        # a process that is gone is not asked
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process pid has a handler for sig (/proc/PID/status SigCgt)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
