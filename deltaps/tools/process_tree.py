@@ -55,10 +55,21 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
 STACKS_SIGNAL = signal.SIGUSR1      # a deltaps worker writes every thread's stack to its log on it (faulthandler)
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process pid has a handler for sig (/proc/PID/status SigCgt); False once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
+
+
 def ask_for_stacks(procs, settle_s: float = 0.5) -> int:
     """Workers still running past their deadline: ask each for its threads' stacks (STACKS_SIGNAL; `deltaps worker`
-    registers it), so the log the error quotes shows where it waits. The number asked."""
-    alive = [p for p in procs if p.poll() is None]
+    registers it), so the log the error quotes shows where it waits. Only a process that catches the signal is asked
+    (its default action ends a process: a torchrun agent, a worker still starting). The number asked."""
+    alive = [p for p in procs if p.poll() is None and catches(p.pid, STACKS_SIGNAL)]
     for p in alive:
         p.send_signal(STACKS_SIGNAL)
     if alive:

@@ -163,14 +163,15 @@ def test_a_worker_past_its_deadline_is_asked_where_it_waits(tmp_path):
     """Before the launchers stop a worker that overran its deadline they ask it for its stacks (SIGUSR1,
     faulthandler): its log, which the error quotes, shows where it waits — here, reconnecting to a shard that is
     not there."""
-    from deltaps.tools.process_tree import STACKS_SIGNAL, ask_for_stacks
+    from deltaps.tools.process_tree import STACKS_SIGNAL, ask_for_stacks, catches
     log_path = tmp_path / "worker0.log"
     with open(log_path, "w") as log:
         worker = start_program(["worker", "--servers", "127.0.0.1:1", "--rank", "0", "--world-size", "1", "--config",
                                 CONFIG, "--no-progress", "--reconnect-deadline-s", "60"], log)
     try:
         deadline = time.monotonic() + 30
-        while not catches(worker.pid, STACKS_SIGNAL):       # asked before it listens, a process would die of it
+        assert ask_for_stacks([worker]) in (0, 1)          # one still starting is not asked: it would die of it
+        while not catches(worker.pid, STACKS_SIGNAL):
             assert worker.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.05)
         while "worker/session.py" not in log_path.read_text():   # until its shard registration is retrying
@@ -181,10 +182,9 @@ def test_a_worker_past_its_deadline_is_asked_where_it_waits(tmp_path):
         worker.kill()
         worker.wait(10)
     assert ask_for_stacks([worker]) == 0        # a process that is gone is not asked
-
-
-def catches(pid: int, sig: int) -> bool:
-    """Whether process pid has a handler for sig (/proc/PID/status SigCgt)."""
-    with open(f"/proc/{pid}/status") as f:
-        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
-    return bool(mask >> (sig - 1) & 1)
+    other = subprocess.Popen(["sleep", "30"])   # nor one without a handler (a torchrun agent): it would die of it
+    try:
+        assert ask_for_stacks([other]) == 0 and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
