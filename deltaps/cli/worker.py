@@ -57,7 +57,8 @@ def run(args) -> int:
     from worker.trainers.loop import train
     from worker.trainers.strategy import WorkerStopped
 
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a launcher asks a worker past its deadline where it waits
+    # a launcher asks a worker past its deadline where it waits (the process's own stderr: its log)
+    faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True)
     cfg = config_from_args(args, exclude=WORKER_EXCLUDED)
     ctx = worker_context(args, cfg)
     try:
