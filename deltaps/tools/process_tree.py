@@ -1,5 +1,5 @@
 """Processes the launchers start: their trees on Linux (/proc), which the launchers kill and the CPU figures count,
-and how they are stopped (a leaf: no deltaps imports)."""
+how they are stopped, and how one past its deadline is asked where it waits (a leaf: no deltaps imports)."""
 from __future__ import annotations
 
 import os
