@@ -1,3 +1,4 @@
+import functools
 import sys
 import time
 from pathlib import Path
@@ -39,24 +40,25 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "demo.yaml")
 
 
-_STARTER = []
+@functools.cache
+def _session_starter():
+    """The test session's zygote, started on first use and stopped (its scratch directory removed) at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from deltaps.tools.zygote import Starter
+    scratch = tempfile.mkdtemp(prefix="deltaps-tests-zygote-")
+    starter = Starter(str(Path(scratch) / "zygote")).ready()
+    atexit.register(lambda: (starter.close(), shutil.rmtree(scratch, ignore_errors=True)))
+    return starter
 
 
 def start_program(argv, log):
     """`deltaps <argv...>` with its output (and errors) to log, forked from this session's zygote (deltaps/tools/
     zygote.py: torch imported once, as `deltaps launch` and the bench start their programs — a fresh interpreter's
     imports cost a worker ~3 s of CPU); the child's cwd is ROOT. A real process: kill -9, exit codes as Popen's."""
-    if not _STARTER:
-        import atexit
-        import shutil
-        import tempfile
-
-        from deltaps.tools.zygote import Starter
-        scratch = tempfile.mkdtemp(prefix="deltaps-tests-zygote-")
-        starter = Starter(str(Path(scratch) / "zygote")).ready()
-        atexit.register(lambda: (starter.close(), shutil.rmtree(scratch, ignore_errors=True)))
-        _STARTER.append(starter)
-    return _STARTER[0](argv, log, cwd=str(ROOT))
+    return _session_starter()(argv, log, cwd=str(ROOT))
 
 
 def server_proc(i, port, log, *flags):

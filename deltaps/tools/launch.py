@@ -95,13 +95,14 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     needs = strategy_class(cfg.mode)    # what the mode needs beside its workers: shards, a rendezvous, a Lighthouse
     start = Starter(os.path.join(tmp, "zygote") if zygote else None, env=child_env).ready()
     try:
-        for i in range(cfg.servers if needs.needs_servers else 0):
-            with open(os.path.join(tmp, f"server{i}.log"), "w") as log:
+        server_logs = [os.path.join(tmp, f"server{i}.log") for i in range(cfg.servers if needs.needs_servers else 0)]
+        for i, log_path in enumerate(server_logs):
+            with open(log_path, "w") as log:
                 servers.append(start(["server", "--host", host, "--port", "0", "--shard-id", str(i),
                                       "--num-shards", str(cfg.servers), "--port-file", os.path.join(tmp, f"server{i}.port"),
                                       *_metrics_args(metrics, host, os.path.join(tmp, f"server{i}.metrics.port")),
                                       *security.server.argv("server"), *(server_args or [])], log))
-        addrs = [f"{host}:{wait_port_file(os.path.join(tmp, f'server{i}.port'), p, log=os.path.join(tmp, f'server{i}.log'))}"
+        addrs = [f"{host}:{wait_port_file(os.path.join(tmp, f'server{i}.port'), p, log=server_logs[i])}"
                  for i, p in enumerate(servers)]
         target = ["--servers", ",".join(addrs)] if needs.needs_servers else []
         if needs.collective:         # a gloo rendezvous (DDP, hybrid's dense allreduce, pipeline stages' p2p)

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers import start_program
+from helpers import server_proc, start_program
 
 from deltaps.tools.launch import free_port
 from protos import pb, rpc
@@ -22,11 +22,6 @@ JOB = ["--mode", "hybrid", "--workload", "ctr", "--steps", str(STEPS), "--batch-
        "20000", "--embedding-dim", "8", "--hidden", "32", "--layers", "1", "--timeout-s", "60",
        "--reconnect-deadline-s", "60", "--no-progress"]
 SERVER = ["--checkpoint-every-steps", "5", "--embedding-memory-cap", "64MiB", "--worker-timeout", "30"]
-
-
-def _server(i, port, log, *flags):
-    return start_program(["--log-level", "INFO", "server", "--port", str(port), "--shard-id", str(i), "--num-shards",
-                          "2", *SERVER, *flags], log)
 
 
 def _emb_version(addr):
@@ -57,7 +52,7 @@ def _run(tmp: Path, kill_at=None):
     ckpt = tmp / "ckpt"
     procs = []
     try:
-        servers = [_server(i, ports[i], logs[f"server{i}"], "--checkpoint-dir", str(ckpt)) for i in range(2)]
+        servers = [server_proc(i, ports[i], logs[f"server{i}"], *SERVER, "--checkpoint-dir", str(ckpt)) for i in range(2)]
         procs += servers
         master = str(free_port())
         save = ["--save-model", str(tmp / "model.pt")]       # rank 0's dense parameters
@@ -74,7 +69,7 @@ def _run(tmp: Path, kill_at=None):
             servers[1].send_signal(signal.SIGKILL)
             servers[1].wait(10)
             t_kill = time.monotonic()
-            servers[1] = _server(1, ports[1], logs["server1-restored"], "--restore", str(ckpt))
+            servers[1] = server_proc(1, ports[1], logs["server1-restored"], *SERVER, "--restore", str(ckpt))
             procs.append(servers[1])
             _wait(lambda: (_emb_version(addrs[1]) or 0) > kill_at, "training to move on after the restart")
             outage = (seen[-1], time.monotonic() - t_kill)
