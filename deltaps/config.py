@@ -262,6 +262,8 @@ class TrainConfig:
         lo, hi = self.min_workers or 1, self.max_workers or self.workers
         if not 1 <= lo <= self.workers <= hi:
             raise ValueError(f"want 1 <= --min-workers {lo} <= --workers {self.workers} <= --max-workers {hi}")
+        if not 0 < self.timeout_s < float("inf"):      # a wait, and the end-of-job stack dump's delay (faulthandler)
+            raise ValueError(f"--timeout-s must be a positive, finite number of seconds, got {self.timeout_s}")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
         if not (self.heartbeat_s == -1 or 0 <= self.heartbeat_s < float("inf")):

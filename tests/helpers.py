@@ -49,7 +49,11 @@ def _session_starter():
 
     from deltaps.tools.zygote import Starter
     scratch = tempfile.mkdtemp(prefix="deltaps-tests-zygote-")
-    starter = Starter(str(Path(scratch) / "zygote")).ready()
+    try:
+        starter = Starter(str(Path(scratch) / "zygote")).ready()
+    except Exception as e:      # cached too: every later test fails with it instead of starting another zygote
+        shutil.rmtree(scratch, ignore_errors=True)
+        return e
     atexit.register(lambda: (starter.close(), shutil.rmtree(scratch, ignore_errors=True)))
     return starter
 
@@ -58,7 +62,10 @@ def start_program(argv, log):
     """`deltaps <argv...>` with its output (and errors) to log, forked from this session's zygote (deltaps/tools/
     zygote.py: torch imported once, as `deltaps launch` and the bench start their programs — a fresh interpreter's
     imports cost a worker ~3 s of CPU); the child's cwd is ROOT. A real process: kill -9, exit codes as Popen's."""
-    return _session_starter()(argv, log, cwd=str(ROOT))
+    starter = _session_starter()
+    if isinstance(starter, Exception):
+        raise starter
+    return starter(argv, log, cwd=str(ROOT))
 
 
 def server_proc(i, port, log, *flags):
@@ -124,10 +131,11 @@ class Procs:
         return p
 
     def cleanup(self):
-        for p in self.all:
+        for p in self.all:      # every one killed before any is waited for: one that hangs leaks no other
             if p.poll() is None:
                 p.kill()
-                p.wait(10)
+        for p in self.all:
+            p.wait(10)
 
     def tail(self):
         return "\n".join(f"--- {f.name}\n" + "".join(f.read_text().splitlines(True)[-15:])

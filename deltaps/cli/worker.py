@@ -94,8 +94,8 @@ def _write_result(path: str | None, rank: int, result: dict) -> None:
 
 
 def _exit_now() -> None:
-    """The channels are closed, the process group destroyed and the result written. Skip interpreter
-    finalisation: gloo's C++ threads can still hold tensors then and abort the process ("terminate called
+    """The channels are closed, the process group's teardown done or given up on, and the result written. Skip
+    interpreter finalisation: gloo's C++ threads can still hold tensors then and abort the process ("terminate called
     without an active exception", seen intermittently at exit in tests/cluster/test_bench_compare.py)."""
     sys.stdout.flush()
     sys.stderr.flush()

@@ -72,8 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the previous spec: ps:topk:ratio=0.01,chunk=4096)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=None, help=f"MLP hidden width (default 2048; {CLF_HIDDEN} with "
-                   f"--workload clf)")
+    p.add_argument("--hidden", type=int, default=None, help=f"MLP hidden width (default 2048; {CLF_HIDDEN}: clf)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--model-params", type=int, default=None, help="size the MLP to about this many parameters "
                    "(sets --hidden for the given --layers)")
@@ -367,7 +366,8 @@ def compare(args) -> dict:
             left = netns.list_leftovers(topo.prefix)
             report["network"]["teardown_clean"] = not (left["netns"] or left["links"])
         netns.restore_signal_handlers(old)
-    failed = [spec for spec, r in runs.items() if any("error" in m for m in r)]
+    report["failed_runs"] = failed = [spec + (" (healthy)" if store is healthy else "") for store in (runs, healthy)
+                                      for spec, r in store.items() if any("error" in m for m in r)]
     if args.keep_logs or failed:      # a failed run's error names its directory in tmp: keep it
         print(f"logs: {tmp}" + (f" (kept: {len(failed)} mode(s) failed)" if failed and not args.keep_logs else ""))
     else:
@@ -397,4 +397,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         bench_report.plot(report, args.plot)
         print(f"wrote {args.plot}")
-    return 1 if any("error" in m for m in report["modes"].values()) else 0
+    return 1 if report["failed_runs"] else 0

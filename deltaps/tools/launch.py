@@ -17,16 +17,18 @@ from deltaps.tools.zygote import Starter
 from worker.trainers.strategy import strategy_class
 
 
-def wait_port_file(path: str, proc: subprocess.Popen, timeout: float = 60.0, log: str | None = None) -> int:
-    """The port a child wrote to path; a child that exits first (or never writes it) fails naming log and its tail."""
+def wait_port_file(path: str, proc: subprocess.Popen, timeout: float = 60.0, log: str | None = None,
+                   what: str = "server") -> int:
+    """The port a child (`what`: a server, a server's or a worker's metrics exporter) wrote to path; a child that
+    exits first, or never writes it, fails the job (JobFailed) naming log and its tail."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if os.path.exists(path):
             return int(open(path).read())
         if proc.poll() is not None:
-            raise JobFailed(f"server exited with code {proc.returncode} before listening" + _log_tail(log))
+            raise JobFailed(f"{what} exited with code {proc.returncode} before listening" + _log_tail(log))
         time.sleep(0.05)
-    raise TimeoutError(f"server did not start listening in {timeout:g} s" + _log_tail(log))
+    raise JobFailed(f"{what} did not start listening in {timeout:g} s" + _log_tail(log))
 
 
 def _log_tail(log: str | None) -> str:
@@ -94,6 +96,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
     metrics_urls: list[str] = []
     needs = strategy_class(cfg.mode)    # what the mode needs beside its workers: shards, a rendezvous, a Lighthouse
     start = Starter(os.path.join(tmp, "zygote") if zygote else None, env=child_env).ready()
+    drop_dir = False
     try:
         server_logs = [os.path.join(tmp, f"server{i}.log") for i in range(cfg.servers if needs.needs_servers else 0)]
         for i, log_path in enumerate(server_logs):
@@ -127,11 +130,11 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
                      *_metrics_args(metrics and cfg.mode == "ps", host, os.path.join(tmp, f"worker{r}.metrics.port")),
                      *(security.client.argv("client") if needs.needs_servers else [])],
                     log))
-        if metrics:
-            metrics_urls = [f"http://{host}:{wait_port_file(os.path.join(tmp, f'server{i}.metrics.port'), p)}/metrics"
-                            for i, p in enumerate(servers)]
+        if metrics:     # the shards' exporters (not a Lighthouse's: it has none), then the ps workers'
+            metrics_urls = [f"http://{host}:{_metrics_port(tmp, f'server{i}', p, 'server')}/metrics"
+                            for i, p in enumerate(servers[:len(server_logs)])]
             if cfg.mode == "ps":
-                metrics_urls += [f"http://{host}:{wait_port_file(os.path.join(tmp, f'worker{r}.metrics.port'), p)}/metrics"
+                metrics_urls += [f"http://{host}:{_metrics_port(tmp, f'worker{r}', p, 'worker')}/metrics"
                                  for r, p in enumerate(workers)]
             if not quiet:
                 print("deltaps launch: metrics at " + " ".join(metrics_urls), flush=True)
@@ -142,10 +145,15 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
             raise workers_failed(failed, tmp)
     except JobFailed as e:      # the job's directory stays for its logs: say where
         raise e if tmp in str(e) else JobFailed(f"{e} (logs in {tmp})") from e
+    except BaseException:       # not the children's failure (a bad flag, torchft missing, ^C): nothing to keep
+        drop_dir = True
+        raise
     finally:
         stop_processes(workers)
         stop_processes(servers)
         start.close()
+        if drop_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
     results = [json.load(open(os.path.join(tmp, f"worker{r}.json"))) for r in range(cfg.workers)]
     shutil.rmtree(tmp, ignore_errors=True)      # a failed job's directory stays: its error names it
     summary = summarize(cfg, results, time.perf_counter() - t_launch)
@@ -154,6 +162,11 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def _metrics_port(tmp: str, name: str, proc, what: str) -> int:
+    return wait_port_file(os.path.join(tmp, f"{name}.metrics.port"), proc, log=os.path.join(tmp, f"{name}.log"),
+                          what=f"{what} metrics exporter")
 
 
 def start_lighthouse(host: str, replicas: int, spawn, port: int | None = None):

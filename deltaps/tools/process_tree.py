@@ -28,6 +28,21 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, parent pid, ...); None once pid is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def running(pid: int) -> bool:
+    """pid exists and is not a zombie (exited, not yet reaped)."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
 def kill_descendants(pid: int) -> None:
     """SIGKILL every live descendant of pid (not pid itself): torchrun's agent runs its worker in a session of its
     own, which a kill of the agent alone would leave running."""

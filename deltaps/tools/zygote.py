@@ -9,7 +9,7 @@ wall time before its first step — longer than the training it measures on clf.
 caller moves each child into the node's CPU cap by pid, as it does a fresh process.
 
 Protocol (a Unix socket: its path is reachable from every network namespace): the caller sends one JSON line
-{"argv": [...], "env": {...}, "cwd": ...} with the child's stdout (and, if it differs, stderr) as file descriptors
+{"argv": [...], "env": {...}, "cwd": ...} (at most MAX_REQUEST_BYTES) with the child's stdout (and, if it differs, stderr) as file descriptors
 beside it (SCM_RIGHTS: a log file the caller opened, or its own terminal); the zygote answers {"pid": N}, then,
 when the child exits, {"returncode": rc} (negative: killed by that signal, as subprocess reports it). A request with
 {"zygote": SOCKET, "node": {"netns": NS, "hostname": NAME}} (argv may be empty, the descriptor is its log) forks a
@@ -38,7 +38,7 @@ import time
 
 from deltaps.errors import JobFailed
 from deltaps.tools import node_host
-from deltaps.tools.process_tree import kill_descendants, stop_processes
+from deltaps.tools.process_tree import kill_descendants, running, stop_processes
 
 # what costs a start its ~2 s of a core, then deltaps' own modules that every shard and worker imports (~0.15 s of a
 # core each where bytecode is not cached, PYTHONDONTWRITEBYTECODE; none of them starts a thread or reads the
@@ -46,6 +46,8 @@ from deltaps.tools.process_tree import kill_descendants, stop_processes
 PRELOADED = ("torch", "torch._dynamo", "numpy", "deltaps.cli", "ps.server", "worker.trainers.loop",
              "worker.trainers.ps", "worker.trainers.torchft_peer")
 POLL_S = 0.05                                      # how soon a child's exit is reported
+MAX_REQUEST_BYTES = 1 << 20                        # argv + environment: far below; more is not a deltaps caller
+HANDSHAKE_S = 60.0          # a caller waits this long for a zygote's answer ({"pid"}: it forks at once when serving)
 UNKNOWN_EXIT = 255          # a child that outlived its zygote: its exit status is lost, so it counts as failed
 
 
@@ -93,14 +95,19 @@ def serve(path: str) -> tuple[dict, list[int]]:
             continue
         sys.stdout.flush()
         sys.stderr.flush()
+        # SIGTERM held over the fork: one sent to the child as soon as its caller has the pid must reach the child's
+        # own (default) handler, not our copy of `stopping`
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         pid = os.fork()
         if pid == 0:
-            for c in (listener, conn, *children.values()):
-                c.close()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)     # as a fresh interpreter has them
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            for c in (listener, conn, *children.values()):
+                c.close()
             gc.enable()
             return request, fds
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         for fd in fds:
             os.close(fd)
         reply(conn, {"pid": pid})
@@ -111,16 +118,19 @@ def serve(path: str) -> tuple[dict, list[int]]:
 
 
 def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    """One request line and the file descriptors sent with it (they come with its first bytes)."""
+    """One request line and the file descriptors sent with it (they come with its first bytes); on any failure the
+    descriptors are closed here (every later child would inherit them)."""
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
-    while data and not data.endswith(b"\n"):
-        chunk = conn.recv(1 << 16)
-        if not chunk:
-            break
-        data += chunk
     try:
+        while data and not data.endswith(b"\n"):
+            if len(data) > MAX_REQUEST_BYTES:
+                raise ValueError(f"a request line is at most {MAX_REQUEST_BYTES} bytes")
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
         return parse_request(data.decode()), fds
-    except ValueError:
+    except BaseException:
         for fd in fds:
             os.close(fd)
         raise
@@ -260,6 +270,7 @@ class Zygote:
         request = json.dumps({"argv": list(argv), "env": dict(os.environ if env is None else env), "cwd": cwd or os.getcwd(),
                               **(node_zygote or {})})
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(HANDSHAKE_S)        # a wedged zygote fails the start instead of hanging it
         try:
             conn.connect(self.path)
             data = request.encode() + b"\n"
@@ -273,6 +284,7 @@ class Zygote:
         except OSError as e:
             conn.close()
             raise ZygoteUnavailable(f"zygote at {self.path}: {e}") from e
+        conn.settimeout(None)               # Forked waits on it with select
         answer, rest = received.split(b"\n", 1)
         answer = json.loads(answer)
         if "error" in answer:
@@ -322,7 +334,7 @@ class Forked:
 
     def _read(self, timeout: float | None) -> None:
         if self._conn is None:       # the zygote died first: the orphan can only be watched, not waited for
-            if not self._alive():
+            if not running(self.pid):
                 self.returncode = UNKNOWN_EXIT
             elif timeout:
                 time.sleep(min(timeout, POLL_S))
@@ -341,13 +353,6 @@ class Forked:
         if self.returncode is not None or not chunk:
             self._conn.close()
             self._conn = None
-
-    def _alive(self) -> bool:
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
 
     def poll(self) -> int | None:
         if self.returncode is None:

@@ -3,17 +3,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import client, start_program
+from helpers import CONFIG, DELTAPS, ROOT, client, start_program
+
+from deltaps.tools.process_tree import stop_processes
 
 pytestmark = pytest.mark.slow
-DELTAPS = [sys.executable, "-m", "deltaps"]
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = str(ROOT / "configs" / "demo.yaml")
 SUMMARY_KEYS = {"mode", "sync", "codec", "workers", "servers", "steps", "final_test_accuracy", "wall_s",
                 "mean_step_s", "compute_s", "comm_s", "wait_s", "bytes_pushed_wire", "bytes_pushed_raw",
                 "bytes_pulled_wire"}
@@ -116,10 +114,7 @@ def test_rollback_switch_on_a_running_job(tmp_path):
             assert after == pytest.approx(res["model_params"] * 4, rel=0.01)
             assert res["final_test_accuracy"] >= 0.93
     finally:
-        for p in workers + servers:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(10)
+        stop_processes(workers + servers)
 
 
 def test_launch_passes_server_args_checkpoints_written(tmp_path):

@@ -19,17 +19,18 @@ JOB = dict(workers=2, servers=2, steps=24, local_steps=4, batch_size=32, hidden=
            lr=1e-3, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9, progress=False, timeout_s=30.0)
 
 
-def _run(tmp_path, **over) -> tuple[dict, dict]:
+def _run(tmp_path, metrics: bool = False, **over) -> tuple[dict, dict]:
     out = tmp_path / f"{over['mode']}.pt"
-    summary = launch(load_job(None, {**JOB, **over, "save_model": str(out)}), quiet=True)
+    summary = launch(load_job(None, {**JOB, **over, "save_model": str(out)}), quiet=True, metrics=metrics)
     return summary, torch.load(out)
 
 
 @pytest.fixture(scope="module")
 def job_runs(tmp_path_factory):
-    """JOB's torchft run and ps run, made once for the tests that compare against them (a launch costs seconds)."""
+    """JOB's torchft run (with --metrics) and ps run, made once for the tests that compare against them (a launch
+    costs seconds)."""
     tmp = tmp_path_factory.mktemp("job")
-    return {mode: _run(tmp, mode=mode) for mode in ("torchft", "ps")}
+    return {mode: _run(tmp, mode=mode, metrics=mode == "torchft") for mode in ("torchft", "ps")}
 
 
 def test_torchft_diloco_is_deltaps_local_updates_with_the_same_outer_nesterov(job_runs):
@@ -41,6 +42,11 @@ def test_torchft_diloco_is_deltaps_local_updates_with_the_same_outer_nesterov(jo
     assert w["syncs"] == 6 and w["torchft_algorithm"] == "diloco" and w["fragments"] == 1
     assert w["bytes_pushed_wire"] == 6 * sum(v.numel() * 4 for v in ft_model.values())   # ring 2(W-1)/W = 1
     assert ft["final_test_accuracy"] == pytest.approx(ps["final_test_accuracy"])
+
+
+def test_a_torchft_job_with_metrics_does_not_wait_for_a_lighthouse_exporter(job_runs):
+    # --metrics starts exporters in the shards and ps workers; the Lighthouse has none (it once waited 60 s for one)
+    assert job_runs["torchft"][0]["metrics_urls"] == []
 
 
 def test_the_lm_s_own_parameter_is_synced_too(tmp_path):

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from deltaps.tools import netns, node_host
-from deltaps.tools.zygote import UNKNOWN_EXIT, Zygote, ZygoteUnavailable
+from deltaps.tools.process_tree import running, stat_fields, stop_processes
+from deltaps.tools.zygote import MAX_REQUEST_BYTES, UNKNOWN_EXIT, Zygote, ZygoteUnavailable
 
 OK, WHY = netns.shaping_available()
 needs_root = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
@@ -89,10 +90,16 @@ def test_a_served_child_stops_on_sigterm_and_a_killed_one_reports_the_signal(zyg
     proc.kill()                   # a second kill of a dead child is a no-op
 
 
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def test_bad_requests_are_refused_and_the_zygote_serves_on(zygote, tmp_path):
     good = {"argv": ["server", "--help"], "env": dict(os.environ), "cwd": str(tmp_path)}
+    held = _open_fds(zygote.proc.pid)
     with open(tmp_path / "unused.log", "w") as out:
         for line, fds, why in ((b"not json\n", [out.fileno()], b"Expecting value"),
+                               (b"x" * (MAX_REQUEST_BYTES + (1 << 17)), [out.fileno()], b"at most"),     # no end
                                (b'{"argv": "server"}\n', [out.fileno()], b"JSON object with argv"),
                                (json.dumps({**good, "argv": []}).encode() + b"\n", [out.fileno()], b"non-empty"),
                                (json.dumps({**good, "zygote": str(tmp_path / "n.sock"), "node": {"netns": ""}}).encode()
@@ -103,12 +110,17 @@ def test_bad_requests_are_refused_and_the_zygote_serves_on(zygote, tmp_path):
                 socket.send_fds(s, [line], fds)
                 answer = s.makefile("rb").readline()
                 assert b'"error"' in answer and why in answer, answer
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:   # connects, sends nothing
-            silent.connect(zygote.path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stalled:  # its descriptor, half a line, silence
+            stalled.connect(zygote.path)
+            socket.send_fds(stalled, [b'{"argv": '], [out.fileno()])
             with open(tmp_path / "help.log", "w") as log:
-                proc = zygote.spawn(["server", "--help"], log)         # served after the silent one times out
+                proc = zygote.spawn(["server", "--help"], log)         # served after the stalled one times out
     assert proc.wait(30) == 0 and "--shard-id" in (tmp_path / "help.log").read_text()
     assert (tmp_path / "unused.log").read_text() == ""
+    deadline = time.monotonic() + 5       # every descriptor a refused request brought was closed, none inherited
+    while _open_fds(zygote.proc.pid) > held and time.monotonic() < deadline:    # (earlier tests' children may end)
+        time.sleep(0.05)
+    assert _open_fds(zygote.proc.pid) <= held
 
 
 def test_a_child_that_outlives_its_zygote_is_watched_to_its_end(tmp_path):
@@ -139,8 +151,7 @@ def test_a_zygote_whose_caller_died_stops_serving(tmp_path):
         caller.kill()
         caller.wait()
         deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z" \
-                and time.monotonic() < deadline:
+        while running(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert time.monotonic() < deadline, "the zygote went on serving after its caller died"
         assert not path.exists()
@@ -158,9 +169,14 @@ def test_a_zygote_that_cannot_start_says_so(tmp_path):
     assert "No such file or directory" in str(failed.value)      # with the zygote's own error from its log
 
 
+def _stop(procs) -> list[int]:
+    """Stop every one (SIGTERM, SIGKILL past the grace) before anything is asserted; their exit codes."""
+    stop_processes(procs)
+    return [p.returncode for p in procs]
+
+
 def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+    return int(stat_fields(pid)[1])
 
 
 @pytest.mark.parametrize("zygotes", [True, False])
@@ -181,10 +197,9 @@ def test_a_bench_machine_forks_its_programs_from_one_zygote_unless_told_not_to(t
         parents = {parent_of(p.pid) for p in procs}
         assert (parents == {os.getpid()}) != zygotes and len(parents) == 1
     finally:
-        for p in procs:
-            p.terminate()
-            assert p.wait(30) == 0
+        codes = _stop(procs)
         net.close()
+    assert codes == [0] * len(procs)
     assert not list((tmp_path / "scratch").glob("deltaps-*"))     # the zygotes' sockets and logs went with them
 
 
@@ -232,7 +247,6 @@ def test_a_bench_networks_nodes_fork_from_zygotes_forked_from_one_hub(tmp_path):
             zygotes = [parent_of(p.pid) for p in procs]
             assert len(set(zygotes)) == 2 and len({parent_of(z) for z in zygotes}) == 1
         finally:
-            for p in procs:
-                p.terminate()
-                assert p.wait(30) == 0
+            codes = _stop(procs)
             net.close()
+        assert codes == [0] * len(procs)

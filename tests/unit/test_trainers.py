@@ -230,7 +230,7 @@ def test_torchft_fragments_hold_every_parameter_once(workload):
 
 def test_a_process_group_teardown_that_hangs_is_left_behind_after_its_wait(caplog):
     """gloo's teardown can hang once the other ranks have gone (pytorch/pytorch#75097): the worker waits a bounded
-    time, says so, and goes on to write its result; a teardown that finishes or fails is reported as such."""
+    time, says so, and goes on to write its result; one that fails is said and does not discard the result."""
     import threading
     import time
 
@@ -245,5 +245,14 @@ def test_a_process_group_teardown_that_hangs_is_left_behind_after_its_wait(caplo
 
     def broken():
         raise RuntimeError("Connection closed by peer")
-    with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        destroy_process_group_within(5, destroy=broken)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="deltaps.worker"):     # the result stands: said, not raised
+        assert destroy_process_group_within(5, destroy=broken) is False
+    assert "teardown failed (RuntimeError: Connection closed by peer)" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0, float("inf"), float("nan")])
+def test_a_timeout_that_is_not_a_positive_finite_number_is_refused_up_front(bad):
+    # it bounds every wait and delays the end-of-job stack dump (faulthandler refuses <= 0 and inf after training)
+    with pytest.raises(ValueError, match=r"--timeout-s must be a positive, finite number of seconds"):
+        TrainConfig(timeout_s=bad).validate()

@@ -37,16 +37,16 @@ def init_process_group(cfg, rank: int, world_size: int, master_addr: str, master
 
 def destroy_process_group_within(seconds: float = TEARDOWN_S, destroy=None) -> bool:
     """dist.destroy_process_group(), waited for at most `seconds`: gloo's teardown can hang once the other ranks
-    have gone (pytorch/pytorch#75097, open; seen here once: a 2-rank DDP job of a fresh-clone `make test`).
-    The job's result does not depend on it: past the wait the worker says so and goes on to write its result and
-    exit (os._exit, deltaps/cli/worker.py), leaving the teardown's thread behind. True if the teardown finished; its
-    error, if it raised one, is raised here."""
+    have gone (pytorch/pytorch#75097, open; seen here once: a 2-rank DDP job of a fresh-clone `make test`), or fail
+    for the same reason ("Connection closed by peer"). The job's result does not depend on it: a teardown past the
+    wait, or one that fails, is logged and the worker goes on to write its result and exit (os._exit,
+    deltaps/cli/worker.py), leaving a hung teardown's thread behind. True if the teardown finished cleanly."""
     done, failed = threading.Event(), []
 
     def teardown():
         try:
             (destroy or dist.destroy_process_group)()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+        except Exception as e:  # noqa: BLE001 - reported by the caller's thread
             failed.append(e)
         finally:
             done.set()
@@ -56,7 +56,9 @@ def destroy_process_group_within(seconds: float = TEARDOWN_S, destroy=None) -> b
                     "leaving it to the process exit", seconds)
         return False
     if failed:
-        raise failed[0]
+        log.warning("the process group's teardown failed (%s: %s); the job's result stands",
+                    type(failed[0]).__name__, failed[0])
+        return False
     return True
 
 

@@ -62,10 +62,12 @@ def train(cfg, ctx: RunContext) -> dict:
         strategy.report(result)
         return result.to_dict()
     finally:
-        strategy.close()
-        if strategy.collective and dist.is_initialized():
-            destroy_process_group_within()
-        faulthandler.cancel_dump_traceback_later()
+        try:
+            strategy.close()
+            if strategy.collective and dist.is_initialized():
+                destroy_process_group_within()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _steps(strategy, run: RunRecorder, ctx: RunContext, slow: float = 1.0) -> None:
