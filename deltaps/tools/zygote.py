@@ -9,13 +9,14 @@ wall time before its first step — longer than the training it measures on clf.
 caller moves each child into the node's CPU cap by pid, as it does a fresh process.
 
 Protocol (a Unix socket: its path is reachable from every network namespace): the caller sends one JSON line
-{"argv": [...], "env": {...}, "cwd": ...} (at most MAX_REQUEST_BYTES) with the child's stdout (and, if it differs, stderr) as file descriptors
-beside it (SCM_RIGHTS: a log file the caller opened, or its own terminal); the zygote answers {"pid": N}, then,
-when the child exits, {"returncode": rc} (negative: killed by that signal, as subprocess reports it). A request with
-{"zygote": SOCKET, "node": {"netns": NS, "hostname": NAME}} (argv may be empty, the descriptor is its log) forks a
-zygote of a bench network's node instead: the child enters the node in-process (deltaps/tools/node_host.py enter)
-and serves SOCKET — so one hub imports torch for every node. The zygote stays single-threaded (a child forked while
-another thread held a lock would inherit it held; the kernel gives a new mount namespace only to a single thread).
+{"argv": [...], "env": {...}, "cwd": ...} (at most MAX_REQUEST_BYTES) with the child's stdout (and, if it differs,
+stderr) as file descriptors beside it (SCM_RIGHTS: a log file the caller opened, or its own terminal); the zygote
+answers {"pid": N}, then, when the child exits, {"returncode": rc} (negative: killed by that signal, as subprocess
+reports it). A request with {"zygote": SOCKET, "node": {"netns": NS, "hostname": NAME}} (argv may be empty, the
+descriptor is its log) forks a zygote of a bench network's node instead: the child enters the node in-process
+(deltaps/tools/node_host.py enter) and serves SOCKET — so one hub imports torch for every node. The zygote stays
+single-threaded (a child forked while another thread held a lock would inherit it held; the kernel gives a new mount
+namespace only to a single thread).
 What a child does not get afresh: modules imported before the fork (frozen out of the garbage collector, gc.freeze,
 so a child's collections neither walk them nor copy their pages), and environment variables torch reads at import
 (the zygote's environment, i.e. the caller's, holds for those). Python's `random` reseeds at fork itself. `ps`
