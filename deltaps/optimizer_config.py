@@ -1,6 +1,7 @@
 """Server-optimizer hyper-parameters: chosen by workers, carried in Register, applied by the shards."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,17 @@ class OptimizerConfig:
     def validate(self) -> None:
         if self.name not in SUPPORTED:
             raise ValueError(f"unknown optimizer {self.name!r}; supported: {', '.join(SUPPORTED)}")
-        if not self.lr > 0:
-            raise ValueError(f"learning rate must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"learning rate must be > 0 and finite, got {self.lr}")
+        # torch.optim's own checks, here so that a job is refused at Register rather than at every Init
+        for name in ("momentum", "dampening", "weight_decay", "eps"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"Adam's betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError(f"Nesterov momentum needs a momentum > 0 and no dampening, got momentum {self.momentum}, "
+                             f"dampening {self.dampening}")
         if self.pull_residual not in PULL_RESIDUALS:
             raise ValueError(f"pull residual must be one of {', '.join(PULL_RESIDUALS)}, got {self.pull_residual!r}")
 

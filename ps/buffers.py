@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from compression.wire import MAX_NUMEL
 from deltaps.errors import ShardError
 from deltaps.layout import BUFFER_ROLES, PARAM, Key
 from ps.state import KeyState
@@ -29,6 +30,8 @@ def key_from_spec(k) -> Key:
     if role != PARAM and role not in BUFFER_ROLES.values():
         raise ShardError("INVALID_ARGUMENT", f"key {k.key!r}: unknown role {role!r} (want {PARAM} or one of "
                                              f"{', '.join(BUFFER_ROLES.values())})")
+    if not 0 <= k.numel <= MAX_NUMEL:
+        raise ShardError("INVALID_ARGUMENT", f"key {k.key!r}: numel={k.numel} is not in [0, {MAX_NUMEL}]")
     if k.cols < 0 or (k.cols and (role != PARAM or k.numel % k.cols)):
         raise ShardError("INVALID_ARGUMENT", f"key {k.key!r}: cols={k.cols} must be 0 or, for a parameter, divide its "
                                              f"{k.numel} elements (whole rows of a matrix)")

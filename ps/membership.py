@@ -13,6 +13,7 @@ from deltaps.errors import PAUSED, ShardError
 from deltaps.pull_codec import resolve_pull_codec
 from deltaps.sync import parse_sync
 from ps.reaper import reaper_tick, start_reaper
+from ps.request_checks import unique_keys
 
 log = logging.getLogger("deltaps.shard")
 
@@ -20,13 +21,14 @@ log = logging.getLogger("deltaps.shard")
 PAUSE_LOG_EVERY_S = 30.0
 ABSENT_BEATS = 4        # a worker that heartbeats (RegisterRequest.heartbeat_s) is evicted after this many beats of silence
                         # (or at once when its Attend stream ends: attend / unattend)
+MAX_WORKERS = 1 << 16   # world size / --max-workers: the live set and per-worker tables are sized by it
 
 
 class Membership:
     """Needs from the shard: lock, members, keys, live, job, last_seen, beat_s, attending, _attend_tokens,
     shutting_down, counters, worker_timeout_s, _barriers,
     _barrier_cond, in_barrier, rounds, stopped, _reaper, checkpointing, durable_hist, shard_id, and the
-    step-completion hooks _maybe_complete_step / _publish, _require_job."""
+    step-completion hooks _maybe_complete_step / _publish, require_job."""
 
     # ---- elastic membership ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -60,7 +62,10 @@ class Membership:
         if num_shards != self.num_shards:
             raise ShardError("FAILED_PRECONDITION",
                              f"worker {worker} expects {num_shards} shards, this server is one of {self.num_shards}")
-        if world_size < 1 or not 0 <= worker < max(world_size, max_workers):
+        if not 1 <= world_size <= MAX_WORKERS or not 0 <= max_workers <= MAX_WORKERS:
+            raise ShardError("INVALID_ARGUMENT", f"world size {world_size} / --max-workers {max_workers}: want "
+                                                 f"1 .. {MAX_WORKERS} workers")
+        if not 0 <= worker < max(world_size, max_workers):
             raise ShardError("INVALID_ARGUMENT", f"worker id {worker} outside world size {world_size}"
                                                  + (f" / --max-workers {max_workers}" if max_workers else ""))
         if not (min_workers or 1) <= world_size <= (max_workers or world_size) or min_workers < 0:
@@ -79,6 +84,7 @@ class Membership:
         if mode.kind == "quorum" and not local_steps:
             raise ShardError("INVALID_ARGUMENT", f"--sync {mode} is for local-update jobs (--local-steps H > 0): a "
                                                  f"round's late deltas fold into the next one, gradients would not")
+        unique_keys([k.key for k in keys], "a Register")
         for k in keys:
             if k.shard != self.shard_id:
                 raise ShardError("INVALID_ARGUMENT", f"key {k.key} belongs to shard {k.shard}, not {self.shard_id}")
@@ -164,7 +170,7 @@ class Membership:
 
     def _job_worker(self, worker: int, rpc: str) -> None:
         """An RPC naming `worker` needs a registered job and one of its worker ids (INVALID_ARGUMENT otherwise)."""
-        job = self._require_job()
+        job = self.require_job()
         if not 0 <= worker < max(job.world_size, job.max_workers):
             raise ShardError("INVALID_ARGUMENT", f"{rpc} from worker {worker}: outside the job's worker ids")
 
@@ -226,7 +232,7 @@ class Membership:
     def barrier(self, worker: int, name: str, timeout_s: float = 0.0, alive=None) -> float:
         """Wait until every live worker arrived at barrier `name`. Meanwhile the worker pushes nothing: quorum
         rounds stop counting on it (ps/rounds.py), so the last worker still training is never stuck on it."""
-        self._require_job()
+        self.require_job()
         self.touch(worker)
         with self._barrier_cond:
             self.in_barrier.add(worker)

@@ -20,6 +20,7 @@ from ps.buffers import key_from_spec
 from ps.handlers import add_servicer
 from ps.optimizer import warm_up
 from ps.pull_views import check_offers
+from ps.request_checks import check_chunk_shapes, request_keys
 from ps.shard import Shard
 
 log = logging.getLogger("deltaps.server")
@@ -40,8 +41,10 @@ def _guard(fn):
 
 
 class ParameterServerServicer(rpc.ParameterServerServicer):
-    def __init__(self, shard: Shard):
+    def __init__(self, shard: Shard, max_streams: int = 32):
+        """max_streams: Attend streams held at once (each holds a server thread: keep it under the pool's size)."""
         self.shard = shard
+        self.max_streams, self.streams, self._streams_lock = max_streams, 0, threading.Lock()
 
     @_guard
     def Register(self, req, context):
@@ -71,6 +74,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Init(self, req, context):
+        check_chunk_shapes(self.shard, req.values, "an Init")
         n = self.shard.init([(c.key, decode_chunk(c)) for c in req.values])
         return pb.InitResponse(initialized=n)
 
@@ -93,7 +97,9 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         push, pull = req.push, req.pull
         if pull.worker_id != push.worker_id or pull.server_id != push.server_id:
             raise ShardError("INVALID_ARGUMENT", "PushPull: the pull's worker_id/server_id differ from the push's")
-        check_offers(len(pull.keys), pull.have_versions, pull.have_digests)    # refused before the push is applied
+        # refused before the push is applied: a bad offer, an unknown or repeated key
+        check_offers(len(pull.keys), pull.have_versions, pull.have_digests)
+        request_keys(self.shard, list(pull.keys), "the pull")
         rep = pb.PushPullResponse()      # filled in place: no merge copies of the bodies
         realign = self._push(push, rep.push)
         if not set(pull.keys) <= {c.key for c in push.grads}:   # the push says nothing of the other keys' rounds
@@ -104,6 +110,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     def _push(self, req, rep) -> int:
         """Apply a push into `rep`; returns the version a PushPull's pull waits for beyond its own (0: none)."""
         self._check_server_id(req)
+        check_chunk_shapes(self.shard, req.grads, "a push")
         grads, nbytes = [], 0
         for c in req.grads:
             g, n = unpack_chunk(c)
@@ -169,20 +176,39 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Attend(self, req, context):
-        token = self.shard.attend(req.worker_id)      # refusals (no job, not a worker of it) before the stream
+        with self._streams_lock:      # past the cap a worker is watched by its heartbeats alone (one that holds a
+            # stream may replace it: the old one ends within ATTEND_CHECK_S)
+            if self.streams >= self.max_streams and req.worker_id not in self.shard.attending:
+                raise ShardError("RESOURCE_EXHAUSTED", f"{self.streams} Attend streams held, the most this shard's "
+                                                       f"threads allow; heartbeats still watch worker {req.worker_id}")
+            self.streams += 1
+        try:
+            token = self.shard.attend(req.worker_id)      # refusals (no job, not a worker of it) before the stream
+        except BaseException:
+            self._stream_ended()
+            raise
         ended = threading.Event()
-        if not context.add_callback(ended.set):        # the RPC has already terminated
+
+        def on_end():       # once, whenever the RPC ends (even before its stream was first read)
             ended.set()
+            self._stream_ended()
+        if not context.add_callback(on_end):        # the RPC has already terminated
+            on_end()
         return self._attendance(req.worker_id, token, context, ended)
 
     def _attendance(self, worker: int, token: int, context, ended: threading.Event):
-        """The Attend stream: one answer, then held (one server thread) until the RPC ends for any reason."""
+        """The Attend stream: one answer, then held (one server thread) until the RPC ends for any reason, or the
+        worker opens a newer one (its thread is not kept for a stream nobody's eviction depends on)."""
         try:
             yield pb.HeartbeatResponse(live=worker in self.shard.live)
-            while not ended.wait(ATTEND_CHECK_S) and context.is_active():
+            while not ended.wait(ATTEND_CHECK_S) and context.is_active() and self.shard.attending.get(worker) == token:
                 pass
         finally:
             self.shard.unattend(worker, token)
+
+    def _stream_ended(self) -> None:
+        with self._streams_lock:
+            self.streams -= 1
 
     @_guard
     def Stats(self, req, context):
@@ -245,7 +271,7 @@ def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps"),
                          options=grpc_options(max_message_bytes),
                          interceptors=security.server_interceptors(on_refusal=on_refusal))
-    servicer = ParameterServerServicer(shard)
+    servicer = ParameterServerServicer(shard, max_streams=max_workers // 2)
     if metrics is not None:
         metrics.instrument(servicer)
     add_servicer(server, servicer, on_refusal=on_refusal)

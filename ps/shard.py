@@ -26,6 +26,7 @@ from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView, answer_key, check_offers
+from ps.request_checks import request_keys, unique_keys
 from ps.rounds import QuorumRounds, realigned_pull
 from ps.shard_stats import shard_stats
 from ps.state import Job, KeyState
@@ -87,12 +88,13 @@ class Shard(Membership):
             self.resize_after_restore(world_size)
         with self.lock:
             if self.job is None:
+                states = {k.key: KeyState(k, self._zeros(k)) for k in keys}     # first: a failure defines no job
                 self.job = Job(world_size, mode, opt, digest, codec, pull_codec or "auto", min_workers, max_workers,
                                local_steps=local_steps)
                 self.codec = codec
                 self.pull_spec = pull_spec
                 self._start_rounds()
-                self.keys = {k.key: KeyState(k, torch.zeros(k.numel, dtype=torch.float32)) for k in keys}
+                self.keys = states
                 self.live = set(range(world_size))
                 now = time.monotonic()
                 self.last_seen = {w: now for w in self.live}   # not-yet-started workers get a full timeout
@@ -106,10 +108,17 @@ class Shard(Membership):
             self.expect_heartbeats(worker, heartbeat_s)
             return all(ks.initialized for ks in self.keys.values())
 
+    @staticmethod
+    def _zeros(k: Key) -> torch.Tensor:
+        try:
+            return torch.zeros(k.numel, dtype=torch.float32)
+        except (RuntimeError, MemoryError) as e:
+            raise ShardError("RESOURCE_EXHAUSTED", f"key {k.key!r}: no memory for its {k.numel} values ({e})") from None
+
     def _start_rounds(self) -> None:
         self.rounds = QuorumRounds(self.job.sync, self._maybe_complete_step) if self.job.sync.kind == "quorum" else None
 
-    def _require_job(self) -> Job:
+    def require_job(self) -> Job:
         if self.job is None:
             raise ShardError("FAILED_PRECONDITION", "no job registered on this shard yet; call Register first")
         return self.job
@@ -122,7 +131,8 @@ class Shard(Membership):
 
     # ---- init ------------------------------------------------------------------------------
     def init(self, values: list[tuple[str, torch.Tensor]]) -> int:
-        job = self._require_job()
+        job = self.require_job()
+        unique_keys([k for k, _ in values], "an Init")
         checked = [(self.key_state(k), self._check_numel(k, v)) for k, v in values]
         done = 0
         for ks, v in checked:
@@ -145,12 +155,14 @@ class Shard(Membership):
         if t.numel() != ks.spec.numel:
             raise ShardError("INVALID_ARGUMENT",
                              f"key {key!r}: tensor has {t.numel()} elements, layout says {ks.spec.numel}")
+        if not bool(torch.isfinite(t).all()):     # an initial value is kept as is: a NaN could never be repaired
+            raise ShardError("INVALID_ARGUMENT", f"key {key!r}: the initial value contains NaN or Inf")
         return t
 
     # ---- push ------------------------------------------------------------------------------
     def push(self, worker: int, step: int, grads: list[tuple[str, "Decoded | torch.Tensor"]],
              pulled_versions: list[int], inner_steps: int = 0) -> tuple[list[bool], list[int], int]:
-        job = self._require_job()
+        job = self.require_job()
         if inner_steps and not 0 < inner_steps <= job.local_steps:
             raise ShardError("INVALID_ARGUMENT", f"inner_steps {inner_steps}: a round's delta covers 1 .. --local-steps "
                                                  f"{job.local_steps} inner steps (0: all of them)")
@@ -164,6 +176,7 @@ class Shard(Membership):
         self.touch(worker)
         if pulled_versions and len(pulled_versions) != len(grads):
             raise ShardError("INVALID_ARGUMENT", "pulled_versions must have one entry per gradient")
+        unique_keys([k for k, _ in grads], "a push")     # a second copy would be acknowledged as a duplicate, unapplied
         checked = []
         for i, (key, g) in enumerate(grads):
             ks = self.key_state(key)
@@ -300,9 +313,8 @@ class Shard(Membership):
 
         worker/alive: while the pull waits, `worker` counts as alive (not evicted) as long as alive()
         (the RPC context's is_active) is true; a caller that went away ends the wait with CANCELLED."""
-        self._require_job()
         check_offers(len(keys), have_versions, have_digests)
-        states = [self.key_state(k) for k in keys]
+        states = request_keys(self, keys, "a pull")
         timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
         t0 = time.monotonic()
         deadline = t0 + timeout

@@ -18,11 +18,11 @@ def _kept_splits(tmp_path_factory):
 class Cluster:
     """In-process shards on loopback ports chosen by the OS (port 0)."""
 
-    def __init__(self, num_shards: int, **shard_kw):
+    def __init__(self, num_shards: int, threads: int = 64, **shard_kw):
         self.shards = [Shard(i, num_shards, **shard_kw) for i in range(num_shards)]
         self.servers, self.addrs = [], []
         for s in self.shards:
-            server, port = start_server(s, "127.0.0.1", 0)
+            server, port = start_server(s, "127.0.0.1", 0, max_workers=threads)
             self.servers.append(server)
             self.addrs.append(f"127.0.0.1:{port}")
 

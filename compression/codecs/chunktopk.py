@@ -18,7 +18,16 @@ import torch
 
 from compression import wire
 from compression.base import CodecError, Payload, register
-from compression.codecs.common import flat_float, make_payload, nchunks, odd_level_codes, odd_level_values, padded_rows
+from compression.codecs.common import (
+    check_bits,
+    check_scales,
+    flat_float,
+    make_payload,
+    nchunks,
+    odd_level_codes,
+    odd_level_values,
+    padded_rows,
+)
 from compression.codecs.sparse import SparseCodec, scatter_add
 from compression.wire import check_payload, header_int, new_body, read_body
 
@@ -37,10 +46,9 @@ class ChunkTopKCodec(SparseCodec):
     def __init__(self, density: float = 1 / 64, chunk: int = 4096, bits: int = 2):
         if not isinstance(density, (int, float)) or isinstance(density, bool) or not 0 < density <= 1:
             raise CodecError(f"chunktopk: density must be in (0, 1], got {density!r}")
-        if not isinstance(chunk, int) or not 2 <= chunk <= MAX_CHUNK:
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 2 <= chunk <= MAX_CHUNK:
             raise CodecError(f"chunktopk: chunk must be an int in [2, {MAX_CHUNK}], got {chunk!r}")
-        if bits not in BITS:
-            raise CodecError(f"chunktopk: bits must be one of {BITS}, got {bits!r}")
+        check_bits("chunktopk", bits, BITS)
         self.ratio, self.chunk, self.bits = float(density), chunk, bits
 
     def spec(self) -> str:
@@ -124,6 +132,7 @@ class ChunkTopKCodec(SparseCodec):
                              "(an older deltaps sent it); run one deltaps version on workers and shards")
         sent = header_int(payload, "sent", 0, n)
         scales, low_sec, high_sec, code_sec = read_body(payload, _sections(n, c, bits, sent))
+        check_scales(self.name, scales)
         flat = torch.from_numpy(wire.ef_decode(self.name, low_sec, high_sec, sent, n))
         codes = torch.from_numpy(wire.bitunpack(code_sec.numpy(), sent, bits).astype(np.int64))
         return n, flat, odd_level_values(codes, scales[flat // c], (1 << bits) - 1)

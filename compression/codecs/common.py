@@ -11,6 +11,20 @@ from compression.wire import MAX_NUMEL, value_dtype
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def check_bits(codec: str, bits, allowed: tuple[int, ...]) -> int:
+    """A codec's bits option: an int (not a float or bool that compares equal) among `allowed`."""
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in allowed:
+        raise CodecError(f"{codec}: bits must be an int, one of {allowed}, got {bits!r}")
+    return bits
+
+
+def check_scales(codec: str, scales: torch.Tensor) -> None:
+    """Scales are the encoder's max |x| per chunk or column: finite and >= 0, or the payload is corrupt (a negative
+    one flips its values' signs, a NaN or Inf poisons the shard's sum)."""
+    if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+        raise CodecError(f"{codec}: a scale in the payload is negative, NaN or Inf: corrupt payload")
+
+
 def flat(tensor: torch.Tensor) -> torch.Tensor:
     """1-D view/copy of a gradient, on the CPU unless the CuPy back end can take it;
     rejects non-float or oversized tensors."""

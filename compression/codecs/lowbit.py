@@ -12,10 +12,20 @@ from __future__ import annotations
 import torch
 
 from compression.base import Codec, CodecError, Payload, register
-from compression.codecs.common import decode_target, flat_float, make_payload, nchunks, odd_level_codes, padded_rows
+from compression.codecs.common import (
+    check_bits,
+    check_scales,
+    decode_target,
+    flat_float,
+    make_payload,
+    nchunks,
+    odd_level_codes,
+    padded_rows,
+)
 from compression.wire import body_size, check_payload, header_int, new_body, read_body
 
 BITS = (2, 4)
+MAX_CHUNK = 1 << 16     # values per scale: larger chunks only coarsen the levels (and a decoder pads to one)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -41,10 +51,9 @@ class LowBitCodec(Codec):
     default_error_feedback = True
 
     def __init__(self, bits: int = 4, chunk: int = 512):
-        if bits not in BITS:
-            raise CodecError(f"lowbit: bits must be 2 or 4, got {bits!r}")
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise CodecError(f"lowbit: chunk must be a positive int, got {chunk!r}")
+        check_bits("lowbit", bits, BITS)
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= MAX_CHUNK:
+            raise CodecError(f"lowbit: chunk must be an int in [1, {MAX_CHUNK}], got {chunk!r}")
         self.bits, self.chunk = bits, chunk
 
     def spec(self) -> str:
@@ -83,12 +92,11 @@ class LowBitCodec(Codec):
     def _read(self, payload: Payload) -> tuple[int, torch.Tensor]:
         """(numel, decoded float32 values) of a received payload; CodecError naming what is wrong."""
         n = check_payload(payload)
-        chunk, bits = header_int(payload, "chunk", 1), header_int(payload, "bits", 2, 4)
+        chunk, bits = header_int(payload, "chunk", 1, MAX_CHUNK), header_int(payload, "bits", 2, 4)
         if bits not in BITS:
             raise CodecError(f"lowbit: header bits={bits}, must be 2 or 4")
         scale, packed = read_body(payload, self._sections(n, chunk, bits))
-        if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
-            raise CodecError("lowbit: a scale in the payload is negative, NaN or Inf: corrupt payload")
+        check_scales("lowbit", scale)
         levels = (1 << bits) - 1
         codes = torch.nn.functional.pad(unpack_codes(packed, n, bits), (0, -n % chunk)).view(-1, chunk)
         return n, codes.float().mul_(2).sub_(levels).mul_(scale[:, None] / levels).view(-1)[:n]   # as _encode's values

@@ -26,7 +26,16 @@ import torch
 
 from compression import wire
 from compression.base import Codec, CodecError, Payload, register
-from compression.codecs.common import flat_float, make_payload, nchunks, odd_level_codes, odd_level_values, padded_rows
+from compression.codecs.common import (
+    check_bits,
+    check_scales,
+    flat_float,
+    make_payload,
+    nchunks,
+    odd_level_codes,
+    odd_level_values,
+    padded_rows,
+)
 from compression.wire import check_payload, header_int, new_body, read_body
 
 BITS = (4, 8)          # 2-bit factors: rank 32 kept 2-5 points less than rank 16 at 4 bits, the same bytes (clf)
@@ -84,8 +93,7 @@ class LowRankCodec(Codec):
     def __init__(self, rank: int = 16, bits: int = 4, iters: int = 2, keys: str = "whole"):
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_RANK:
             raise CodecError(f"lowrank: rank must be an int in [1, {MAX_RANK}], got {rank!r}")
-        if bits not in BITS:
-            raise CodecError(f"lowrank: bits must be one of {BITS}, got {bits!r}")
+        check_bits("lowrank", bits, BITS)
         if not isinstance(iters, int) or isinstance(iters, bool) or not 0 <= iters <= MAX_ITERS:
             raise CodecError(f"lowrank: iters must be an int in [0, {MAX_ITERS}], got {iters!r}")
         if keys not in KEYS:
@@ -152,7 +160,7 @@ class LowRankCodec(Codec):
         levels = (1 << bits) - 1
         if form == "dense":
             scales, code_sec = read_body(payload, _dense_sections(n, bits))
-            _check_scales(scales)
+            check_scales(self.name, scales)
             values = odd_level_values(_unpack(code_sec, n, bits), _per_value(scales, n), levels)
         else:
             if len(payload.shape) != 2:
@@ -160,8 +168,8 @@ class LowRankCodec(Codec):
             m, cols = payload.shape
             rank = header_int(payload, "rank", 1, min(m, cols, MAX_RANK))
             ps, qs, pc, qc = read_body(payload, _factor_sections(m, cols, rank, bits))
-            _check_scales(ps)
-            _check_scales(qs)
+            check_scales(self.name, ps)
+            check_scales(self.name, qs)
             p = odd_level_values(_unpack(pc, m * rank, bits).view(m, rank), ps, levels)
             q = odd_level_values(_unpack(qc, cols * rank, bits).view(cols, rank), qs, levels)
             values = p @ q.T
@@ -171,8 +179,3 @@ class LowRankCodec(Codec):
         out.copy_(values.view(out.shape))
         return out
 
-
-def _check_scales(scales: torch.Tensor) -> None:
-    """Scales are the encoder's max |x|: finite and >= 0, or the payload is corrupt (it would poison the sum)."""
-    if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
-        raise CodecError("lowrank: a scale in the payload is negative, NaN or Inf: corrupt payload")

@@ -81,3 +81,34 @@ def test_attend_refuses_what_is_not_a_worker_of_the_job(cluster_factory):
     first = next(w0.stubs[0].Attend(pb.HeartbeatRequest(worker_id=0), timeout=5))
     assert first.live
     w0.close()
+
+
+def test_attend_streams_never_take_every_server_thread(cluster_factory):
+    """Each stream holds a server thread: past half the pool a worker is left to its heartbeats (RESOURCE_EXHAUSTED)
+    and the shard still answers pushes and pulls; a stream a newer one of its worker replaced gives its thread back."""
+    c = cluster_factory(1, threads=4)                   # 2 streams at most: workers 0 and 1 take them
+    shard = c.shards[0]
+    clients = [client(c.addrs, r, 3, sync="quorum:3", opt=AVG, local_steps=4, heartbeat_s=BEAT_S) for r in range(3)]
+    for r, cl in enumerate(clients):
+        cl.setup([("w", torch.zeros(N))])
+        deadline = time.monotonic() + 3
+        while r < 2 and r not in shard.attending and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert set(shard.attending) == {0, 1}
+    stream = clients[2].stubs[0].Attend(pb.HeartbeatRequest(worker_id=2), timeout=5)
+    with pytest.raises(grpc.RpcError) as e:
+        next(stream)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "heartbeats" in e.value.details()
+    for cl in clients:                                      # every thread not held by a stream still serves
+        cl.push({"w": torch.ones(N)}, 0)
+    assert torch.equal(clients[2].pull(min_version=1)["w"], -torch.ones(N))
+    for _ in range(5):          # worker 0 reconnecting again and again: each new stream ends the one it replaced
+        replaced, clients[0]._attendance[0] = clients[0]._attendance[0], None
+        deadline = time.monotonic() + 5
+        while not replaced.done() and time.monotonic() < deadline:
+            clients[0]._attend()
+            time.sleep(0.1)
+        assert replaced.done()
+    assert shard.live == {0, 1, 2} and shard.stats()["evictions"] == 0
+    for cl in clients:
+        cl.close()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import client
 
+from deltaps.optimizer_config import OptimizerConfig
 from deltaps.transport import grpc_options
 from protos import PROTOCOL_VERSION, pb, rpc
 
@@ -170,3 +171,67 @@ def test_push_pull_retry_is_acknowledged_not_applied_twice(setup):
     assert list(first.pull.versions) == list(again.pull.versions) == [1]
     assert c.shards[0].keys["w#0"].version == 1 and c.shards[0].counters["duplicates"] == 1
     assert c.shards[0].counters["grads_applied"] == 1
+
+
+def test_a_payload_whose_shape_does_not_match_its_key_is_refused_before_it_is_decoded(setup):
+    # a lowrank "factors" chunk of 46 kB stands for a 46340 x 46340 matrix (8.6 GB decoded): refused by its shape
+    c, _, stub = setup
+    huge = pb.TensorChunk(key="w#0", dtype="float32", shape=[46340, 46340], codec="lowrank",
+                          header=msgpack.packb({"form": "factors", "rank": 1, "bits": 4}), data=b"\0" * 46348)
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push(stub, huge), "w#0", "2147395600 elements", "100")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push(stub, pb.TensorChunk(
+        key="w#0", dtype="float32", shape=[-100, -1], codec="none", data=b"\0" * 400)), "[-100, -1]")
+    _unchanged(c)
+
+
+def test_a_key_named_twice_in_one_request_is_refused(setup):
+    c, _, stub = setup
+    two = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk(), _chunk(data=np.full(100, 2, np.float32).tobytes())])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.Push(two, timeout=5), "key 'w#0' twice")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.Pull(pb.PullRequest(keys=["w#0"] * 3), timeout=5),
+            "key 'w#0' twice")
+    _unchanged(c)
+
+
+def test_a_push_pull_whose_pull_is_bad_applies_nothing(setup):
+    c, _, stub = setup
+    push = pb.PushRequest(worker_id=0, step=0, seq=1, grads=[_chunk()])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: _push_pull(stub, push, pb.PullRequest(worker_id=0, keys=["zz"])),
+            "zz")
+    _unchanged(c)
+
+
+def test_an_initial_value_with_nan_is_refused_and_the_key_can_still_be_initialised(cluster_factory):
+    c = cluster_factory(1)
+    cl = client(c.addrs, 1, 2, timeout_s=5)         # rank 1 registers; rank 0 would Init
+    cl.setup([("w", torch.zeros(100))], pull=False)
+    stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0]))
+    bad = np.r_[np.ones(99), np.nan].astype(np.float32).tobytes()
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.Init(pb.InitRequest(values=[_chunk(data=bad)]), timeout=5),
+            "w#0", "NaN")
+    assert not c.shards[0].keys["w#0"].initialized
+    assert stub.Init(pb.InitRequest(values=[_chunk()]), timeout=5).initialized == 1
+    cl.close()
+
+
+def test_a_register_that_cannot_define_a_job_is_refused_and_defines_none(cluster_factory):
+    c = cluster_factory(1)
+    stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0]))
+    opt = pb.OptimizerConfig()
+    OptimizerConfig("sgd", lr=0.1).to_proto(opt)
+    key = pb.KeySpec(key="w#0", param="w", offset=0, numel=100, dtype="float32", shard=0)
+    base = dict(protocol_version=PROTOCOL_VERSION, worker_id=0, world_size=1, num_shards=1, sync="bsp",
+                layout_digest="x", optimizer=opt, keys=[key])
+    nesterov = pb.OptimizerConfig()
+    nesterov.CopyFrom(opt)
+    nesterov.nesterov = True            # with momentum 0: torch refuses it at every Init
+    for over, words in (({"keys": [pb.KeySpec(key="w#0", param="w", numel=-1, shard=0)]}, ["numel=-1"]),
+                        ({"keys": [key, key]}, ["key 'w#0' twice"]),
+                        ({"world_size": (1 << 31) - 1}, ["world size"]),
+                        ({"optimizer": nesterov}, ["Nesterov momentum needs a momentum > 0"])):
+        _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda over=over: stub.Register(pb.RegisterRequest(**{**base, **over}),
+                                                                                  timeout=5), *words)
+        assert c.shards[0].job is None
+    cl = client(c.addrs, 0, 1, timeout_s=5)
+    cl.setup([("w", torch.arange(100, dtype=torch.float32))])      # a good job is still welcome
+    cl.close()

@@ -103,7 +103,8 @@ def test_nan_and_inf_are_refused_by_name(bad):
 @pytest.mark.parametrize("spec,match", [("chunktopk:density=0", "density must be in"),
                                         ("chunktopk:chunk=1", "chunk must be an int"),
                                         ("chunktopk:chunk=32768", "chunk must be an int"),
-                                        ("chunktopk:bits=3", "bits must be one of")])
+                                        ("chunktopk:bits=3", "bits must be an int, one of"),
+                                        ("chunktopk:bits=2.0", "bits must be an int")])
 def test_bad_specs_say_what_is_wrong(spec, match):
     with pytest.raises(CodecError, match=match):
         get_codec(spec)
@@ -151,6 +152,9 @@ def test_corrupt_positions_and_headers_are_codec_errors():
         decode_payload(_with_high_bits(p, high, 24, last_past_the_end))
     with pytest.raises(CodecError, match="not strictly ascending"):   # every low part 7: 0 and 3 collide
         decode_payload(_tampered(p, low, b"\xff" * 5))
+    for scale in (-1.0, np.nan, np.inf):        # a negative scale would flip its chunk's signs, silently
+        with pytest.raises(CodecError, match="chunktopk: a scale in the payload is negative, NaN or Inf"):
+            decode_payload(_tampered(p, 0, np.float32(scale).tobytes()))
     for header, match in (({"bits": 3}, "bits=3"), ({"n": 99}, "does not match shape"), ({"chunk": 1}, "chunk"),
                           ({"sent": 101}, "'sent'=101"), ({"sent": 12}, "expected")):
         with pytest.raises(CodecError, match=match):

@@ -64,8 +64,10 @@ def test_nan_and_inf_are_refused_by_name(bad):
         get_codec("lowbit").compress(x)
 
 
-@pytest.mark.parametrize("spec,match", [("lowbit:bits=3", "bits must be 2 or 4"), ("lowbit:bits=8", "bits must be"),
-                                        ("lowbit:chunk=0", "chunk must be a positive int"),
+@pytest.mark.parametrize("spec,match", [("lowbit:bits=3", "bits must be an int, one of"), ("lowbit:bits=8", "bits must be"),
+                                        ("lowbit:bits=4.0", "bits must be an int"),     # (1 << 4.0) fails later
+                                        ("lowbit:chunk=0", "chunk must be an int in"),
+                                        ("lowbit:chunk=65537", "chunk must be an int in"),
                                         ("lowbit:chunk=1.5", "chunk must be")])
 def test_bad_specs_say_what_is_wrong(spec, match):
     with pytest.raises(CodecError, match=match):
@@ -75,7 +77,7 @@ def test_bad_specs_say_what_is_wrong(spec, match):
 def test_corrupt_headers_and_scales_are_codec_errors():
     p = get_codec("lowbit:chunk=8").compress(rand(40))
     for header, match in (({**p.header, "bits": 3}, "bits=3"), ({**p.header, "bits": 8}, "bits"),
-                          ({**p.header, "chunk": 0}, "chunk")):
+                          ({**p.header, "chunk": 0}, "chunk"), ({**p.header, "chunk": 1 << 33}, "chunk")):
         with pytest.raises(CodecError, match=match):
             decode_payload(Payload(p.codec, p.shape, p.dtype, p.data, header))
     body = bytearray(p.data)

@@ -106,7 +106,8 @@ def test_nan_and_inf_are_refused_by_name(bad):
 
 @pytest.mark.parametrize("spec,match", [("lowrank:rank=0", "rank must be an int"),
                                         ("lowrank:rank=2000", "rank must be an int"),
-                                        ("lowrank:bits=2", "bits must be one of"),
+                                        ("lowrank:bits=2", "bits must be an int, one of"),
+                                        ("lowrank:bits=4.0", "bits must be an int"),
                                         ("lowrank:iters=9", "iters must be an int"),
                                         ("lowrank:keys=rows", "keys must be one of")])
 def test_bad_specs_say_what_is_wrong(spec, match):
