@@ -2,6 +2,7 @@
 shards and clients of row-sparse embedding tables must agree on (the server's store is ps/embedding/)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,8 @@ from deltaps.errors import EmbeddingError
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 INITS = ("uniform", "zeros")
 STATE_TENSORS = {"sgd": 0, "adagrad": 1, "adam": 2}
+MAX_DIM = 1 << 16               # a row of 256 KiB; one row must fit a message with room to spare
+MAX_ROWS = (1 << 31) - 1        # a fixed table's row index is dense on every shard; beyond it, a dynamic table
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,8 @@ class TableSpec:
     def validate(self) -> None:
         if not self.name:
             raise ValueError("embedding table needs a name")
-        if self.dim < 1:
-            raise ValueError(f"table {self.name}: dim must be >= 1")
+        if not 1 <= self.dim <= MAX_DIM:
+            raise ValueError(f"table {self.name}: dim must be in [1, {MAX_DIM}], got {self.dim}")
         if self.dynamic:
             if self.num_rows != 0:
                 raise ValueError(f"table {self.name}: a dynamic table has no row count (num_rows must be 0, "
@@ -47,16 +50,23 @@ class TableSpec:
                 raise ValueError(f"table {self.name}: ttl_steps and min_count must be >= 0 "
                                  f"(got {self.ttl_steps}, {self.min_count})")
         else:
-            if self.num_rows < 1:
-                raise ValueError(f"table {self.name}: num_rows must be >= 1 (or declare the table dynamic)")
+            if not 1 <= self.num_rows <= MAX_ROWS:
+                raise ValueError(f"table {self.name}: num_rows must be in [1, {MAX_ROWS}] (or declare the table "
+                                 f"dynamic), got {self.num_rows}")
             if self.ttl_steps or self.min_count:
                 raise ValueError(f"table {self.name}: ttl_steps and min_count apply to dynamic tables only")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"table {self.name}: unknown optimizer {self.optimizer!r}; use {', '.join(OPTIMIZERS)}")
         if self.init not in INITS:
             raise ValueError(f"table {self.name}: unknown init {self.init!r}; use {', '.join(INITS)}")
-        if not self.lr > 0:
-            raise ValueError(f"table {self.name}: lr must be > 0")
+        # the row optimizers' own domains (a beta of 1 divides by zero at the first step, a NaN poisons every row)
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"table {self.name}: lr must be > 0 and finite, got {self.lr}")
+        for name in ("eps", "initial_accumulator", "init_scale"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"table {self.name}: {name} must be >= 0 and finite, got {getattr(self, name)}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"table {self.name}: beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
 
     @property
     def bytes_per_row(self) -> int:

@@ -13,7 +13,7 @@ from deltaps.errors import PAUSED, ShardError
 from deltaps.pull_codec import resolve_pull_codec
 from deltaps.sync import parse_sync
 from ps.reaper import reaper_tick, start_reaper
-from ps.request_checks import unique_keys
+from ps.request_checks import check_world_size, unique_keys, wait_seconds
 
 log = logging.getLogger("deltaps.shard")
 
@@ -21,7 +21,6 @@ log = logging.getLogger("deltaps.shard")
 PAUSE_LOG_EVERY_S = 30.0
 ABSENT_BEATS = 4        # a worker that heartbeats (RegisterRequest.heartbeat_s) is evicted after this many beats of silence
                         # (or at once when its Attend stream ends: attend / unattend)
-MAX_WORKERS = 1 << 16   # world size / --max-workers: the live set and per-worker tables are sized by it
 
 
 class Membership:
@@ -62,9 +61,7 @@ class Membership:
         if num_shards != self.num_shards:
             raise ShardError("FAILED_PRECONDITION",
                              f"worker {worker} expects {num_shards} shards, this server is one of {self.num_shards}")
-        if not 1 <= world_size <= MAX_WORKERS or not 0 <= max_workers <= MAX_WORKERS:
-            raise ShardError("INVALID_ARGUMENT", f"world size {world_size} / --max-workers {max_workers}: want "
-                                                 f"1 .. {MAX_WORKERS} workers")
+        check_world_size(world_size, max_workers)
         if not 0 <= worker < max(world_size, max_workers):
             raise ShardError("INVALID_ARGUMENT", f"worker id {worker} outside world size {world_size}"
                                                  + (f" / --max-workers {max_workers}" if max_workers else ""))
@@ -250,7 +247,7 @@ class Membership:
                 self._maybe_complete_step(ks)
 
     def _wait_barrier(self, worker: int, name: str, timeout_s: float, alive) -> float:
-        timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
+        timeout = wait_seconds(timeout_s, self.wait_timeout_s)
         t0 = time.monotonic()
         with self._barrier_cond:
             b = self._barriers.setdefault(name, {"gen": 0, "arrived": set()})

@@ -8,13 +8,28 @@ import math
 
 from deltaps.errors import ShardError
 
+MAX_WORKERS = 1 << 16   # a job's world size / --max-workers: the live set and per-worker tables are sized by it
 
-def unique_keys(keys: list[str], what: str) -> None:
+
+def unique_keys(keys: list[str], what: str, kind: str = "key") -> None:
     seen: set[str] = set()
     for key in keys:
         if key in seen:     # a second copy would be dropped as a duplicate, or cloned once more per copy
-            raise ShardError("INVALID_ARGUMENT", f"{what} names key {key!r} twice")
+            raise ShardError("INVALID_ARGUMENT", f"{what} names {kind} {key!r} twice")
         seen.add(key)
+
+
+def check_world_size(world_size: int, max_workers: int = 0) -> None:
+    if not 1 <= world_size <= MAX_WORKERS or not 0 <= max_workers <= MAX_WORKERS:
+        raise ShardError("INVALID_ARGUMENT", f"world size {world_size} / --max-workers {max_workers}: want "
+                                             f"1 .. {MAX_WORKERS} workers")
+
+
+def wait_seconds(timeout_s: float, default_s: float) -> float:
+    """How long a request may wait on the server: its own timeout_s if > 0 (finite), else the server's default."""
+    if timeout_s > 0 and not math.isfinite(timeout_s):
+        raise ShardError("INVALID_ARGUMENT", f"timeout_s must be a finite number of seconds, got {timeout_s}")
+    return timeout_s if timeout_s > 0 else default_s
 
 
 def request_keys(shard, keys: list[str], what: str) -> list:

@@ -226,12 +226,12 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     @_guard
     def SparsePull(self, req, context):
         from ps import embedding
-        return embedding.handle_pull(self.shard, req, pb)
+        return embedding.handle_pull(self.shard, req, pb, alive=context.is_active)
 
     @_guard
     def SparsePush(self, req, context):
         from ps import embedding
-        return embedding.handle_push(self.shard, req, pb)
+        return embedding.handle_push(self.shard, req, pb, alive=context.is_active)
 
     @_guard
     def EmbeddingStats(self, req, context):

@@ -26,7 +26,7 @@ from ps import buffers
 from ps.membership import Membership
 from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView, answer_key, check_offers
-from ps.request_checks import request_keys, unique_keys
+from ps.request_checks import request_keys, unique_keys, wait_seconds
 from ps.rounds import QuorumRounds, realigned_pull
 from ps.shard_stats import shard_stats
 from ps.state import Job, KeyState
@@ -315,7 +315,7 @@ class Shard(Membership):
         (the RPC context's is_active) is true; a caller that went away ends the wait with CANCELLED."""
         check_offers(len(keys), have_versions, have_digests)
         states = request_keys(self, keys, "a pull")
-        timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
+        timeout = wait_seconds(timeout_s, self.wait_timeout_s)
         t0 = time.monotonic()
         deadline = t0 + timeout
         out = []

@@ -50,17 +50,19 @@ def handle_register(shard, req, pb):
                                         durable_step=shard.durable_step(req.worker_id))
 
 
-def handle_pull(shard, req, pb):
+def handle_pull(shard, req, pb, alive=None):
+    """alive: the RPC's is_active (a waiting pull whose client went away ends)."""
     _check_server_id(shard, req)
     store = store_of(shard)
     reqs = [(r.table, ids_from_bytes(r.ids)) for r in req.rows]
-    values, version, waited = store.pull(req.worker_id, reqs, req.min_version, req.timeout_s, peek=req.peek)
+    values, version, waited = store.pull(req.worker_id, reqs, req.min_version, req.timeout_s, peek=req.peek,
+                                         alive=alive)
     rows = [pb.EmbeddingRows(table=r.table, values=rows_to_bytes(v)) for r, v in zip(req.rows, values)]
     store.counters["bytes_sent"] += sum(len(r.values) for r in rows)
     return pb.SparsePullResponse(rows=rows, version=version, waited_s=waited)
 
 
-def handle_push(shard, req, pb):
+def handle_push(shard, req, pb, alive=None):
     _check_server_id(shard, req)
     store = store_of(shard)
     grads = []
@@ -69,7 +71,7 @@ def handle_push(shard, req, pb):
         t = store.table(r.table)
         grads.append((r.table, ids, rows_from_bytes(r.values, ids.numel(), t.spec.dim)))
     store.counters["bytes_received"] += sum(len(r.ids) + len(r.values) for r in req.grads)
-    dup, version = store.push(req.worker_id, req.step, grads, replay=req.replay)
+    dup, version = store.push(req.worker_id, req.step, grads, replay=req.replay, alive=alive)
     return pb.SparsePushResponse(duplicate=dup, version=version, durable_step=shard.durable_step(req.worker_id),
                                  server_id=shard.server_id)
 

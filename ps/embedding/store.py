@@ -14,6 +14,7 @@ from deltaps.errors import NOT_LIVE_MEMBER, EmbeddingError
 from ps.embedding.dynamic import DynamicTable
 from ps.embedding.table import ShardTable, coalesce
 from ps.reaper import reaper_tick, start_reaper
+from ps.request_checks import check_world_size, unique_keys, wait_seconds
 
 log = logging.getLogger("deltaps.embedding")
 COUNTERS = ("pushes", "duplicates", "pulls", "rows_pulled", "rows_pushed", "rejected_exhausted", "bytes_received",
@@ -46,8 +47,10 @@ class EmbeddingStore:
         if num_shards != self.num_shards:
             raise EmbeddingError("FAILED_PRECONDITION", f"worker {worker} expects {num_shards} shards, this server "
                                                         f"is shard {self.shard_id} of {self.num_shards}")
+        check_world_size(world_size)
         if not 0 <= worker < world_size:
             raise EmbeddingError("INVALID_ARGUMENT", f"worker id {worker} outside world size {world_size}")
+        unique_keys([s.name for s in specs], "a RegisterEmbedding", "table")
         if sync not in ("bsp", "asp"):
             raise EmbeddingError("INVALID_ARGUMENT", f"embedding tables support sync bsp or asp, not {sync!r}")
         for s in specs:
@@ -56,13 +59,7 @@ class EmbeddingStore:
             except ValueError as e:
                 raise EmbeddingError("INVALID_ARGUMENT", str(e)) from None
         with self.cond:
-            if not self.world_size:
-                self.world_size, self.sync = world_size, sync
-                self.live = set(range(world_size))
-                self.pushed = {w: 0 for w in self.live}
-                now = time.monotonic()
-                self.last_seen = {w: now for w in self.live}   # not-yet-started workers get a full timeout
-            elif (world_size, sync) != (self.world_size, self.sync):
+            if self.world_size and (world_size, sync) != (self.world_size, self.sync):
                 raise EmbeddingError("FAILED_PRECONDITION",
                                      f"worker {worker}: job is world {self.world_size} sync {self.sync}, "
                                      f"worker says world {world_size} sync {sync}")
@@ -71,14 +68,25 @@ class EmbeddingStore:
                 if have is not None and have.spec != s:
                     raise EmbeddingError("FAILED_PRECONDITION", f"table {s.name}: worker {worker} registers "
                                                                 f"{s}, shard holds {have.spec}")
-            for s in specs:
-                if s.name not in self.tables:
-                    self.tables[s.name] = (DynamicTable if s.dynamic else ShardTable)(s, self.shard_id,
-                                                                                      self.num_shards)
+            new = {s.name: self._new_table(s) for s in specs if s.name not in self.tables}   # first: may fail
+            if not self.world_size:
+                self.world_size, self.sync = world_size, sync
+                self.live = set(range(world_size))
+                self.pushed = {w: 0 for w in self.live}
+                now = time.monotonic()
+                self.last_seen = {w: now for w in self.live}   # not-yet-started workers get a full timeout
+            self.tables.update(new)
             self._admit(worker)
             version = self.version
         self.start_reaper()
         return version
+
+    def _new_table(self, spec: TableSpec) -> ShardTable:
+        try:
+            return (DynamicTable if spec.dynamic else ShardTable)(spec, self.shard_id, self.num_shards)
+        except (RuntimeError, MemoryError) as e:      # a fixed table's row index is dense: num_rows / shards slots
+            raise EmbeddingError("RESOURCE_EXHAUSTED", f"table {spec.name}: no memory for its row index "
+                                                       f"({spec.num_rows} rows over {self.num_shards} shards): {e}") from None
 
     def _admit(self, worker: int) -> None:
         """(Re)join `worker` at the current version (cond held): its next step is at least the version."""
@@ -135,30 +143,35 @@ class EmbeddingStore:
         self._reaper = start_reaper(f"shard{self.shard_id}-emb-reaper", reaper_tick(self.worker_timeout_s),
                                     self.evict_silent, log)
 
-    def _wait(self, ready, timeout: float, worker: int) -> bool:
-        """cond.wait_for(ready, timeout), the waiting worker counting as alive meanwhile (cond held)."""
+    def _wait(self, ready, timeout: float, worker: int, alive=None) -> bool:
+        """cond.wait_for(ready, timeout), the waiting worker counting as alive meanwhile (cond held); a caller that
+        went away (alive(): the RPC's is_active) ends the wait with CANCELLED."""
         deadline = time.monotonic() + timeout
         while not ready():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             self.cond.wait(min(left, 0.5))
+            if alive is not None and not alive():
+                raise EmbeddingError("CANCELLED", "the waiting client went away")
             self.last_seen[worker] = time.monotonic()
         return True
 
     # -- pull --
     def pull(self, worker: int, requests: list[tuple[str, torch.Tensor]], min_version: int,
-             timeout_s: float = 0.0, peek: bool = False) -> tuple[list[torch.Tensor], int, float]:
+             timeout_s: float = 0.0, peek: bool = False, alive=None) -> tuple[list[torch.Tensor], int, float]:
         """Values of the requested rows (allocating missing ones), after the shard reached min_version. peek (an
-        evaluation): the table is left as it is — missing rows are served their init value, nothing touched."""
+        evaluation): the table is left as it is — missing rows are served their init value, nothing touched.
+        Each table once per request (its missing rows are allocated once)."""
         t0 = time.perf_counter()
-        timeout = timeout_s if timeout_s > 0 else self.wait_timeout_s
+        timeout = wait_seconds(timeout_s, self.wait_timeout_s)
+        unique_keys([name for name, _ in requests], "a pull", "table")
         with self.cond:
             self.last_seen[worker] = time.monotonic()
             tables = [self.table(name) for name, _ in requests]
             for t, (_, ids) in zip(tables, requests):
                 t.check_ids(ids)
-            if not self._wait(lambda: self.version >= min_version, timeout, worker):
+            if not self._wait(lambda: self.version >= min_version, timeout, worker, alive):
                 raise EmbeddingError("DEADLINE_EXCEEDED", f"shard {self.shard_id}: embedding rows still at version "
                                                           f"{self.version} < {min_version} after {timeout:.1f}s")
             waited = time.perf_counter() - t0
@@ -189,10 +202,11 @@ class EmbeddingStore:
 
     # -- push --
     def push(self, worker: int, step: int, grads: list[tuple[str, torch.Tensor, torch.Tensor]],
-             replay: bool = False) -> tuple[bool, int]:
-        """grads: (table, ids, grad rows [n, dim]). Returns (duplicate, version after). A replay (re-sent
-        after a shard restart) may name rows the restored shard does not hold: they are allocated (their
+             replay: bool = False, alive=None) -> tuple[bool, int]:
+        """grads: (table, ids, grad rows [n, dim]), each table once. Returns (duplicate, version after). A replay
+        (re-sent after a shard restart) may name rows the restored shard does not hold: they are allocated (their
         initial value is a pure function of the row), within the memory cap."""
+        unique_keys([name for name, _, _ in grads], "a push", "table")
         with self.cond:
             if worker not in self.live:
                 raise EmbeddingError("FAILED_PRECONDITION", f"worker {worker} is not a live worker of this job "
@@ -223,7 +237,8 @@ class EmbeddingStore:
                 self.cond.notify_all()
                 return False, self.version
             # bsp: step s is aggregated once step s-1 is applied (a replay of s+1 never mixes into s)
-            if not self._wait(lambda: self.version >= step or worker not in self.live, self.wait_timeout_s, worker):
+            if not self._wait(lambda: self.version >= step or worker not in self.live, self.wait_timeout_s, worker,
+                              alive):
                 raise EmbeddingError("DEADLINE_EXCEEDED", f"shard {self.shard_id}: push of step {step} waited for "
                                                           f"version {step}, still {self.version}")
             if worker not in self.live:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import run_threads
 from torch import nn
 
-from deltaps.embedding import TableSpec, dense_init, hash_uniform, init_rows
+from deltaps.embedding import TableSpec, dense_init, hash_uniform, ids_to_bytes, init_rows
 from deltaps.errors import PSError
 from ps.embedding import EmbeddingStore, attach
 from worker.embedding import EmbeddingClient, PSEmbedding, replace_embeddings, select_ps_modules
@@ -228,3 +228,49 @@ def test_ps_embedding_module_and_selection(cluster_factory):
     after, _ = c.pull_rows({"user": torch.tensor([1, 3])}, min_version=1)
     torch.testing.assert_close(after["user"], before - grads["user"][1])
     c.close()
+
+
+def test_requests_the_tables_cannot_serve_are_refused_by_name(cluster_factory):
+    """What used to reach a table before any check (a world of 2**31 - 1 workers, a beta of 1 dividing by zero at
+    the first step, a table named twice — allocated twice, so no checkpoint restored —, a wait with no end) is
+    refused with INVALID_ARGUMENT naming it, and the store serves on."""
+    import grpc
+
+    from protos import PROTOCOL_VERSION, pb, rpc
+    cluster = cluster_factory(1)
+    stub = rpc.ParameterServerStub(grpc.insecure_channel(cluster.addrs[0]))
+
+    def table(**over):
+        msg = pb.EmbeddingTableSpec()
+        TableSpec(**{"name": "t", "num_rows": 100, "dim": 4, **over}).to_proto(msg)
+        return msg
+
+    def register(**over):
+        return stub.RegisterEmbedding(pb.RegisterEmbeddingRequest(**{
+            "protocol_version": PROTOCOL_VERSION, "worker_id": 0, "world_size": 1, "num_shards": 1, "sync": "bsp",
+            "tables": [table()], **over}), timeout=10)
+
+    def refused(call, *words):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert all(w in e.value.details() for w in words), e.value.details()
+    refused(lambda: register(world_size=(1 << 31) - 1), "world size")
+    refused(lambda: register(tables=[table(), table(dim=8)]), "table 't' twice")
+    refused(lambda: register(tables=[table(optimizer="adam", beta1=1.0)]), "beta1 and beta2 must be in [0, 1)")
+    refused(lambda: register(tables=[table(lr=float("nan"))]), "lr must be > 0 and finite")
+    refused(lambda: register(tables=[table(dim=1 << 20)]), "dim must be in")
+    server_id = register().server_id
+    ids = ids_to_bytes(torch.tensor([3]))
+    pull = dict(worker_id=0, server_id=server_id)
+    refused(lambda: stub.SparsePull(pb.SparsePullRequest(rows=[pb.EmbeddingRows(table="t", ids=ids)] * 2, **pull),
+                                    timeout=10), "table 't' twice")
+    refused(lambda: stub.SparsePull(pb.SparsePullRequest(rows=[pb.EmbeddingRows(table="t", ids=ids)],
+                                                         timeout_s=float("inf"), **pull), timeout=10), "finite")
+    rep = stub.SparsePull(pb.SparsePullRequest(rows=[pb.EmbeddingRows(table="t", ids=ids)], **pull), timeout=10)
+    assert len(rep.rows[0].values) == 16 and store_rows(cluster) == 1      # row 3 allocated once
+    assert attach(cluster.shards[0]).tables["t"].state_dict()["ids"].tolist() == [3]
+
+
+def store_rows(cluster) -> int:
+    return attach(cluster.shards[0]).tables["t"].rows
