@@ -105,6 +105,8 @@ def test_pull_timeout_unknown_key_bad_codec_and_oversize(setup):
     _expect(grpc.StatusCode.DEADLINE_EXCEEDED,
             lambda: stub.Pull(pb.PullRequest(keys=["w#0"], min_version=3, timeout_s=0.3), timeout=5), "w#0")
     _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.Pull(pb.PullRequest(keys=["zz"]), timeout=5), "zz")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT,
+            lambda: stub.Pull(pb.PullRequest(keys=["w#0"], min_version=3, timeout_s=float("inf")), timeout=5), "finite")
     _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.SetCodec(pb.SetCodecRequest(codec="lz4"), timeout=5),
             "lz4")
     huge = _chunk(data=b"\0" * (70 << 20))     # over the server's 64 MiB limit
