@@ -276,6 +276,7 @@ def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
         metrics.instrument(servicer)
     add_servicer(server, servicer, on_refusal=on_refusal)
     server.deltaps_health = add_health_service(server)
+    server.deltaps_servicer = servicer         # its held Attend streams (tests/rpc/test_attend.py)
     bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")

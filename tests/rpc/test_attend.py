@@ -102,13 +102,16 @@ def test_attend_streams_never_take_every_server_thread(cluster_factory):
     for cl in clients:                                      # every thread not held by a stream still serves
         cl.push({"w": torch.ones(N)}, 0)
     assert torch.equal(clients[2].pull(min_version=1)["w"], -torch.ones(N))
-    for _ in range(5):          # worker 0 reconnecting again and again: each new stream ends the one it replaced
-        replaced, clients[0]._attendance[0] = clients[0]._attendance[0], None
-        deadline = time.monotonic() + 5
-        while not replaced.done() and time.monotonic() < deadline:
-            clients[0]._attend()
-            time.sleep(0.1)
-        assert replaced.done()
+    held, kept = c.servers[0].deltaps_servicer, []
+    for _ in range(5):          # worker 0 reconnecting again and again, keeping every old stream open on its side
+        kept.append(clients[0]._attendance[0])
+        clients[0]._attendance[0] = None
+        clients[0]._attend()
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10      # the shard ends each replaced one (within ATTEND_CHECK_S)
+    while held.streams != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held.streams == 2 and set(shard.attending) == {0, 1} and shard.attending[0] > 2
     assert shard.live == {0, 1, 2} and shard.stats()["evictions"] == 0
     for cl in clients:
         cl.close()
