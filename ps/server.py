@@ -41,9 +41,10 @@ def _guard(fn):
 
 
 class ParameterServerServicer(rpc.ParameterServerServicer):
-    def __init__(self, shard: Shard, max_streams: int = 32):
-        """max_streams: Attend streams held at once (each holds a server thread: keep it under the pool's size)."""
-        self.shard = shard
+    def __init__(self, shard: Shard, max_streams: int = 32, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        """max_streams: Attend streams held at once (each holds a server thread: keep it under the pool's size);
+        max_message_bytes: the largest answer gRPC will send (an embedding pull past it is refused up front)."""
+        self.shard, self.max_message_bytes = shard, max_message_bytes
         self.max_streams, self.streams, self._streams_lock = max_streams, 0, threading.Lock()
 
     @_guard
@@ -226,7 +227,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     @_guard
     def SparsePull(self, req, context):
         from ps import embedding
-        return embedding.handle_pull(self.shard, req, pb, alive=context.is_active)
+        return embedding.handle_pull(self.shard, req, pb, alive=context.is_active, max_bytes=self.max_message_bytes)
 
     @_guard
     def SparsePush(self, req, context):
@@ -271,7 +272,7 @@ def start_server(shard: Shard, host: str = "127.0.0.1", port: int = 0, *,
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps"),
                          options=grpc_options(max_message_bytes),
                          interceptors=security.server_interceptors(on_refusal=on_refusal))
-    servicer = ParameterServerServicer(shard, max_streams=max_workers // 2)
+    servicer = ParameterServerServicer(shard, max_streams=max_workers // 2, max_message_bytes=max_message_bytes)
     if metrics is not None:
         metrics.instrument(servicer)
     add_servicer(server, servicer, on_refusal=on_refusal)

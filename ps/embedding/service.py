@@ -50,11 +50,17 @@ def handle_register(shard, req, pb):
                                         durable_step=shard.durable_step(req.worker_id))
 
 
-def handle_pull(shard, req, pb, alive=None):
-    """alive: the RPC's is_active (a waiting pull whose client went away ends)."""
+def handle_pull(shard, req, pb, alive=None, max_bytes: int = 0):
+    """alive: the RPC's is_active (a waiting pull whose client went away ends); max_bytes: the largest answer the
+    server sends — a pull past it is refused before any row is made, touched or gathered."""
     _check_server_id(shard, req)
     store = store_of(shard)
     reqs = [(r.table, ids_from_bytes(r.ids)) for r in req.rows]
+    answer = sum(ids.numel() * store.table(name).spec.dim * 4 for name, ids in reqs)
+    if max_bytes and answer > max_bytes:
+        raise EmbeddingError("RESOURCE_EXHAUSTED", f"a pull of {sum(ids.numel() for _, ids in reqs)} rows is a "
+                                                   f"{answer} B answer, over the {max_bytes} B message limit "
+                                                   f"(--max-message-bytes); pull fewer rows a request")
     values, version, waited = store.pull(req.worker_id, reqs, req.min_version, req.timeout_s, peek=req.peek,
                                          alive=alive)
     rows = [pb.EmbeddingRows(table=r.table, values=rows_to_bytes(v)) for r, v in zip(req.rows, values)]

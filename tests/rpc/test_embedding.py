@@ -270,6 +270,12 @@ def test_requests_the_tables_cannot_serve_are_refused_by_name(cluster_factory):
     rep = stub.SparsePull(pb.SparsePullRequest(rows=[pb.EmbeddingRows(table="t", ids=ids)], **pull), timeout=10)
     assert len(rep.rows[0].values) == 16 and store_rows(cluster) == 1      # row 3 allocated once
     assert attach(cluster.shards[0]).tables["t"].state_dict()["ids"].tolist() == [3]
+    # an answer over the message limit (64 MiB: 2**22 + 1 rows of 16 B) is refused before any row is made
+    many = ids_to_bytes(torch.arange((1 << 22) + 1) % 100)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.SparsePull(pb.SparsePullRequest(rows=[pb.EmbeddingRows(table="t", ids=many)], **pull), timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message limit" in e.value.details()
+    assert store_rows(cluster) == 1
 
 
 def store_rows(cluster) -> int:
