@@ -38,6 +38,8 @@ INT64_MIN = -(1 << 63)
 MAX_PENDING = 1 << 20
 _EMPTY = np.empty(0, dtype=np.int64)
 
+MIN_GROW_BYTES = 1 << 20      # a table's first growth: 1,024 rows, or as many as fit this (one row at least)
+
 
 class DynamicTable(ShardTable):
     """Same interface as ShardTable (the store drives both); apply() also runs eviction."""
@@ -143,7 +145,10 @@ class DynamicTable(ShardTable):
         fresh = np.arange(self.used, self.used + n - len(reuse), dtype=np.int64)
         self.used += len(fresh)
         if self.used > self.capacity:
-            self._grow(max(self.used, min(self.capacity * 2, self.capacity + (1 << 20)), 1024))
+            # amortised doubling (at most 2**20 rows a step) from 1,024 rows, or fewer where they pass MIN_GROW_BYTES:
+            # 1,024 rows held 512 MiB for one 64k-wide adagrad row, 8x a 64 MiB cap that charges rows held
+            first = max(1, min(1024, MIN_GROW_BYTES // self.spec.bytes_per_row))
+            self._grow(max(self.used, min(self.capacity * 2, self.capacity + (1 << 20)), first))
         slots = np.concatenate([reuse, fresh])
         st = torch.from_numpy(slots)
         self.values[st] = init_rows(self.spec, new)

@@ -84,3 +84,13 @@ def test_store_memory_cap_and_asp_push_to_an_evicted_row():
     assert t.filtered_pushes == 1 and t.rows == 0 and t.rows_evicted == 8   # row 0 aged out too
     store.pull(0, [("d", torch.arange(100, 110))], 0)     # evicted rows are room under the cap again
     assert store.stats()["tables"]["d"]["rows_held"] == 10 and store.nbytes == 10 * spec.bytes_per_row
+
+
+def test_a_wide_tables_first_growth_holds_about_a_mebibyte_not_a_thousand_rows():
+    # one 64k-wide adagrad row is 512 KiB: 1,024 of them (the old first growth) were 512 MiB for a single id
+    wide = DynamicTable(TableSpec("w", 0, 1 << 16, "adagrad", dynamic=True), 0, 1)
+    wide.allocate(torch.tensor([42]))
+    assert wide.capacity == 2 and wide.rows == 1
+    narrow = DynamicTable(TableSpec("n", 0, 8, "adagrad", dynamic=True), 0, 1)
+    narrow.allocate(torch.tensor([42]))
+    assert narrow.capacity == 1024          # small rows: as before
