@@ -330,10 +330,11 @@ class Membership:
                             "%s", self.shard_id, world_size, job.world_size, before, sorted(self.live))
             job.world_size = world_size
 
-    def wait_while_paused(self, worker: int) -> None:
-        """Hold a push while the job is paused; past the wait timeout refuse it with reason PAUSED (the client
-        retries: a paused job waits for workers, it does not fail)."""
-        deadline = time.monotonic() + self.wait_timeout_s
+    def wait_while_paused(self, worker: int, held_s: float | None = None) -> None:
+        """Hold a push while the job is paused; past the wait timeout, or held_s (what the caller's own deadline
+        leaves: answered before it, or the client would fail with DEADLINE_EXCEEDED), refuse it with reason PAUSED
+        (the client retries: a paused job waits for workers, it does not fail)."""
+        deadline = time.monotonic() + min(self.wait_timeout_s, self.wait_timeout_s if held_s is None else held_s)
         with self.members:
             if not self.paused:
                 return

@@ -25,6 +25,7 @@ from ps.shard import Shard
 
 log = logging.getLogger("deltaps.server")
 ATTEND_CHECK_S = 1.0    # an Attend stream re-checks its RPC this often, should the end-of-RPC callback never come
+ANSWER_MARGIN_S = 1.0   # a held push is answered (PAUSED) this long before its caller's deadline
 
 
 def _guard(fn):
@@ -82,7 +83,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     @_guard
     def Push(self, req, context):
         rep = pb.PushResponse()
-        self._push(req, rep)
+        self._push(req, rep, context)
         return rep
 
     @_guard
@@ -102,13 +103,13 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
         check_offers(len(pull.keys), pull.have_versions, pull.have_digests)
         request_keys(self.shard, list(pull.keys), "the pull")
         rep = pb.PushPullResponse()      # filled in place: no merge copies of the bodies
-        realign = self._push(push, rep.push)
+        realign = self._push(push, rep.push, context)
         if not set(pull.keys) <= {c.key for c in push.grads}:   # the push says nothing of the other keys' rounds
             realign = 0
         self._pull(pull, context, rep.pull, max(pull.min_version, realign))
         return rep
 
-    def _push(self, req, rep) -> int:
+    def _push(self, req, rep, context) -> int:
         """Apply a push into `rep`; returns the version a PushPull's pull waits for beyond its own (0: none)."""
         self._check_server_id(req)
         check_chunk_shapes(self.shard, req.grads, "a push")
@@ -118,8 +119,9 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
             grads.append((c.key, g))
             nbytes += n
         self.shard.counters["bytes_received"] += nbytes
+        left = context.time_remaining()        # None: the caller set no deadline
         dup, versions, realign = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions),
-                                                 req.inner_steps)
+                                                 req.inner_steps, None if left is None else max(0.0, left - ANSWER_MARGIN_S))
         rep.duplicate.extend(dup)
         rep.versions.extend(versions)
         rep.server_id, rep.durable_step = self.shard.server_id, self.shard.durable_step(req.worker_id)

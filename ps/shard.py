@@ -160,8 +160,8 @@ class Shard(Membership):
         return t
 
     # ---- push ------------------------------------------------------------------------------
-    def push(self, worker: int, step: int, grads: list[tuple[str, "Decoded | torch.Tensor"]],
-             pulled_versions: list[int], inner_steps: int = 0) -> tuple[list[bool], list[int], int]:
+    def push(self, worker: int, step: int, grads: list[tuple[str, "Decoded | torch.Tensor"]], pulled_versions: list[int],
+             inner_steps: int = 0, held_s: float | None = None) -> tuple[list[bool], list[int], int]:
         job = self.require_job()
         if inner_steps and not 0 < inner_steps <= job.local_steps:
             raise ShardError("INVALID_ARGUMENT", f"inner_steps {inner_steps}: a round's delta covers 1 .. --local-steps "
@@ -170,7 +170,7 @@ class Shard(Membership):
             raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not a live member of the job "
                                                     f"(evicted or never registered; Register to rejoin)",
                              reason=NOT_LIVE_MEMBER)
-        self.wait_while_paused(worker)   # after the membership check: an evicted worker must hear it
+        self.wait_while_paused(worker, held_s)   # after the membership check: an evicted worker must hear it
         if step < 0:
             raise ShardError("INVALID_ARGUMENT", f"step must be >= 0, got {step}")
         self.touch(worker)

@@ -35,6 +35,7 @@ from deltaps.errors import NOT_LIVE_MEMBER, PAUSED, PSError, from_rpc_error
 log = logging.getLogger("deltaps.client")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+PAUSED_RETRY_S = 0.2    # between a push the paused job refused and its next attempt
 
 
 def backoff_delays(base: float = 0.05, cap: float = 2.0):
@@ -168,6 +169,7 @@ class ShardSession:
                 if e.reason == PAUSED and not self.closed.is_set():   # an elastic job waits for workers
                     log.warning("worker %d: shard %d: %s; waiting", self.policy.worker_id, self.shard, e)
                     t0 = None
+                    self.closed.wait(PAUSED_RETRY_S)     # the shard held it as long as our deadline let it
                     continue
                 evicted = (method in self.PUSHES and e.code == grpc.StatusCode.FAILED_PRECONDITION
                            and e.reason == NOT_LIVE_MEMBER)

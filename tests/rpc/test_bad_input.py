@@ -1,4 +1,6 @@
 """Bad requests get the right gRPC status and a message naming the problem; shard state is unchanged."""
+import time
+
 import grpc
 import msgpack
 import numpy as np
@@ -237,3 +239,20 @@ def test_a_register_that_cannot_define_a_job_is_refused_and_defines_none(cluster
     cl = client(c.addrs, 0, 1, timeout_s=5)
     cl.setup([("w", torch.arange(100, dtype=torch.float32))])      # a good job is still welcome
     cl.close()
+
+
+def test_a_push_held_by_a_paused_job_is_answered_before_its_callers_deadline(cluster_factory):
+    # the shard's own wait (30 s here, 300 by default) is longer than a client's deadline (120 s by default): held
+    # past the deadline, the client got DEADLINE_EXCEEDED and the worker died, though a paused job only waits
+    c = cluster_factory(1, wait_timeout_s=30.0)
+    clients = [client(c.addrs, r, 2, timeout_s=5, min_workers=2, max_workers=2) for r in range(2)]
+    for cl in clients:
+        cl.setup([("w", torch.arange(100, dtype=torch.float32))], pull=False)
+    c.shards[0].evict(1, "test")
+    assert c.shards[0].paused
+    stub = rpc.ParameterServerStub(grpc.insecure_channel(c.addrs[0]))
+    t0 = time.monotonic()
+    _expect(grpc.StatusCode.UNAVAILABLE, lambda: _push(stub, _chunk(), worker=0), "paused")
+    assert time.monotonic() - t0 < 5              # answered ~1 s before the 5 s deadline, not at the shard's 30 s
+    for cl in clients:
+        cl.close()
