@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import client
 
+from deltaps.errors import PSError
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.transport import grpc_options
 from protos import PROTOCOL_VERSION, pb, rpc
@@ -256,3 +257,11 @@ def test_a_push_held_by_a_paused_job_is_answered_before_its_callers_deadline(clu
     assert time.monotonic() - t0 < 5              # answered ~1 s before the 5 s deadline, not at the shard's 30 s
     for cl in clients:
         cl.close()
+
+
+def test_a_refusal_reaching_the_worker_names_the_shard_that_refused(setup):
+    c, cl, _ = setup
+    with pytest.raises(PSError) as e:
+        cl.push({"w": torch.full((100,), float("nan"))}, 0)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"shard 0 at {c.addrs[0]}: Push" in str(e.value) and "NaN" in str(e.value), str(e.value)
