@@ -147,7 +147,9 @@ class DistributedOptimizer:
         return loss
 
     def _end_step(self) -> None:
-        if self.client.apply_codec_switch():
+        # a switch waits while a streamed exchange is still encoding (its codec and error feedback are the old
+        # ones: swapped under it, the residual it folds in could be dropped); the next step takes it
+        if self.synced and self.client.apply_codec_switch():
             self.codec_switches.append((self.clock + 1, self.client.codec))
         self.clock += 1
         self.timing["steps"] += 1

@@ -223,3 +223,21 @@ def test_global_model_is_the_shards_model_between_rounds(cluster_factory):
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), own))
     assert not all(torch.equal(p.detach().view(-1), server[n]) for n, p in m.named_parameters())
     opt.close()
+
+
+def test_a_codec_switch_waits_for_the_exchange_still_in_flight(cluster_factory):
+    """A rollback announced while a streamed round is still encoding is adopted at the first step with nothing in
+    flight: the exchange keeps the codec and error feedback it started with."""
+    c = cluster_factory(1)
+    m = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, servers=c.addrs, rank=0, world_size=1,
+                               timeout_s=30, codec="int8", local_steps=4, stream_fragments=2,
+                               outer=outer_optimizer_config("avg"))
+    opt.client.codec = "none"                        # what the shards announce after `deltaps ctl set-codec none`
+    opt.local.inflight[0] = ([], {})                 # a fragment's exchange still encoding
+    opt._end_step()
+    assert opt.client.compressor.spec == "int8" and opt.codec_switches == []
+    opt.local.inflight.clear()
+    opt._end_step()
+    assert opt.client.compressor.spec == "none" and len(opt.codec_switches) == 1
+    opt.close()
