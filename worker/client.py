@@ -60,6 +60,8 @@ class PSClient:
                  max_workers: int = 0, local_steps: int = 0, heartbeat_s: float = 0.0):
         if not servers:
             raise ValueError("at least one server address is needed")
+        if replay_steps < 1:        # before any channel or thread exists: a refused client leaks none
+            raise ValueError(f"replay_steps must be >= 1, got {replay_steps}")
         check_message_limits(chunk_bytes, max_message_bytes)
         self.servers = list(servers)
         self.worker_id, self.world_size = worker_id, world_size
@@ -92,8 +94,6 @@ class PSClient:
         self.pull_codec = pull_codec
         self._seq, self._seq_lock = 0, threading.Lock()
         # failure handling (worker/session.py): reconnect deadline, per-shard replay buffers
-        if replay_steps < 1:
-            raise ValueError(f"replay_steps must be >= 1, got {replay_steps}")
         self.closed = threading.Event()
         policy = SessionPolicy(worker_id, timeout_s, reconnect_deadline_s, replay_steps)
         self.sessions = [ShardSession(self.stubs[i], addr, i, policy, self.closed, self.on_shard_restart)
@@ -330,9 +330,11 @@ class PSClient:
         while not self.closed.wait(self.heartbeat_s):
             self._attend()
             for stub in self.stubs:
+                if self.closed.is_set():        # close() may not wait out a slow beat: no call on closed channels
+                    return
                 try:
                     rep = stub.Heartbeat(req, timeout=max(1.0, 2 * self.heartbeat_s))
-                except grpc.RpcError:
+                except (grpc.RpcError, ValueError):     # ValueError: the channel closed under the call
                     continue
                 if rep.HasField("stopped") and self.job_stop is None:
                     self._note_stop(rep.stopped)
