@@ -311,8 +311,10 @@ class PSClient:
         return False
 
     def set_codec(self, spec: str) -> int:
-        """Switch the whole job's codec (every shard; workers adopt it at their next step)."""
-        epochs = [call(stub.SetCodec, pb.SetCodecRequest(codec=spec), 10.0).codec_epoch for stub in self.stubs]
+        """Switch the whole job's codec (every shard; workers adopt it at their next step). Through each shard's
+        session: a shard restarting meanwhile is waited for (its reconnect deadline), as a push would be."""
+        req = pb.SetCodecRequest(codec=spec)
+        epochs = [sess.call("SetCodec", lambda: req, 10.0).codec_epoch for sess in self.sessions]
         self._note_codec(spec, max(epochs))
         return max(epochs)
 

@@ -2,6 +2,7 @@
 idempotent retries in every sync mode, --nonfinite skip, reconnect deadline."""
 import logging
 import os
+import threading
 import time
 
 import grpc
@@ -327,3 +328,18 @@ def test_closing_a_client_cancels_its_exchange_in_flight(cluster_factory):
     assert time.monotonic() - t0 < 5.0
     assert isinstance(waiting.exception(timeout=1.0), PSError)
     w1.close()
+
+
+def test_a_codec_switch_waits_for_a_shard_that_is_restarting(tmp_path):
+    # the rollback switch sent while the shard is down: it used to fail at once (UNAVAILABLE) with earlier
+    # shards switched; through the shard's session it waits for the restart and lands
+    srv = _Restartable(tmp_path, 1)
+    cl = client([srv.addr], 0, 1, codec="int8", reconnect_deadline_s=20)
+    cl.setup(named(7))
+    srv.ck.checkpoint("start")
+    srv.crash()
+    threading.Timer(1.0, srv.restart).start()
+    epoch = cl.set_codec("none")
+    assert epoch >= 1 and srv.shard.codec == "none" and cl.codec == "none"
+    cl.close()
+    srv.crash()
