@@ -39,15 +39,17 @@ class Membership:
             yield
 
     def _admit(self, worker: int) -> None:
-        """(Re)join `worker` at the current version (self.lock held). Its pushed count on each key becomes
-        at least the key's version, so it is never "behind" and its next step is worker_step()."""
+        """(Re)join `worker` at the current version (self.lock held). A worker not live has its pushed count on
+        each key raised to at least the key's version, so it is never "behind" and its next step is
+        worker_step(). A live one re-registering (its connection dropped) keeps its counts: under --sync quorum
+        its late delta, still to be re-sent, must fold into the next round, not be taken for a duplicate."""
         store = getattr(self, "embedding", None)   # row-sparse tables (ps/embedding/): rejoin them too
         if store is not None:
             store.admit(worker)
         with self._all_keys_locked():
-            for ks in self.keys.values():
-                ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
             if worker not in self.live:
+                for ks in self.keys.values():
+                    ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
                 self.live.add(worker)
                 self.counters["rejoins"] += 1
                 self.members.notify_all()

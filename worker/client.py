@@ -92,9 +92,8 @@ class PSClient:
         self.versions: dict[str, int] = {}
         self.view_versions: dict[str, int] = {}   # version of the shared pull view held, per key
         self.pull_codec = pull_codec
-        self._seq, self._seq_lock = 0, threading.Lock()
+        self._seq, self._seq_lock, self.closed = 0, threading.Lock(), threading.Event()
         # failure handling (worker/session.py): reconnect deadline, per-shard replay buffers
-        self.closed = threading.Event()
         policy = SessionPolicy(worker_id, timeout_s, reconnect_deadline_s, replay_steps)
         self.sessions = [ShardSession(self.stubs[i], addr, i, policy, self.closed, self.on_shard_restart)
                          for i, addr in enumerate(self.servers)]
@@ -311,10 +310,8 @@ class PSClient:
         return False
 
     def set_codec(self, spec: str) -> int:
-        """Switch the whole job's codec (every shard; workers adopt it at their next step). Through each shard's
-        session: a shard restarting meanwhile is waited for (its reconnect deadline), as a push would be."""
-        req = pb.SetCodecRequest(codec=spec)
-        epochs = [sess.call("SetCodec", lambda: req, 10.0).codec_epoch for sess in self.sessions]
+        """Switch the job's codec on every shard (via its session: a restarting one is waited for); workers follow."""
+        epochs = [s.call("SetCodec", lambda: pb.SetCodecRequest(codec=spec), 10.0).codec_epoch for s in self.sessions]
         self._note_codec(spec, max(epochs))
         return max(epochs)
 

@@ -325,3 +325,20 @@ def test_a_delta_is_weighted_by_the_inner_steps_it_covers(cluster_factory):
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "inner_steps" in str(e.value)
     for cl in (w0, w1):
         cl.close()
+
+
+def test_a_live_worker_that_registers_again_keeps_its_late_delta(cluster_factory):
+    """A connection drop makes the client register again before it re-sends: a live worker's counts are kept, so
+    its late delta still folds into the open round (raised to the version, it was acknowledged as a duplicate and
+    lost)."""
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0")
+    one = torch.ones(N)
+    w0.push({"w": one}, 0)
+    w1.push({"w": one}, 0)                  # round 0 closes without worker 2
+    assert c.shards[0].keys["w#0"].version == 1
+    w2.setup([("w", torch.zeros(N))], pull=False)     # what recover() sends: Register again, still live
+    w2.push({"w": torch.full((N,), 8.0)}, 0)          # its round-0 delta, re-sent
+    ks = c.shards[0].keys["w#0"]
+    assert c.shards[0].stats()["duplicates"] == 0 and ks.agg_weight == 1.0 and torch.equal(ks.agg, torch.full((N,), 8.0))
+    for cl in (w0, w1, w2):
+        cl.close()
