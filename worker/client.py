@@ -204,8 +204,7 @@ class PSClient:
             raw, wire = self._fill_push(req, batch, grads, step)
             t0 = time.perf_counter()
             self.sessions[shard].push(req, self.timeout_s)
-            self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_raw=raw,
-                           bytes_pushed_wire=wire)
+            self.stats.add(push_rpcs=1, push_s=time.perf_counter() - t0, bytes_pushed_raw=raw, bytes_pushed_wire=wire)
 
     def push_pull_keys(self, shard: int, keys: list[Key], grads: dict[str, torch.Tensor], step: int,
                        min_version: int, out: dict[str, torch.Tensor], inner_steps: int = 0) -> float:
@@ -222,8 +221,7 @@ class PSClient:
             rep = self.sessions[shard].push_pull(req, lambda b=batch: self._pull_request(b, min_version, True, out),
                                                  self.timeout_s + 10)
             dt = time.perf_counter() - t0
-            self.stats.add(push_pull_rpcs=1, push_rpcs=1, push_pull_s=dt, bytes_pushed_raw=raw,
-                           bytes_pushed_wire=wire)
+            self.stats.add(push_pull_rpcs=1, push_rpcs=1, push_pull_s=dt, bytes_pushed_raw=raw, bytes_pushed_wire=wire)
             waited = max(waited, self._take_pull(shard, batch, rep.pull, out, True))
         return waited
 
@@ -283,6 +281,8 @@ class PSClient:
         self._note_codec(rep.codec, rep.codec_epoch)
         if rep.live_workers:
             self.live_workers = list(rep.live_workers)
+            if self.min_workers or self.max_workers:    # elastic: a restored shard re-bases the job on the count
+                self.sessions[shard].register_req.world_size = max(max(self.live_workers) + 1, self.min_workers)
         self.quorum_paces[shard] = rep.quorum_pace_s
         if rep.HasField("stopped") and self.job_stop is None:
             self._note_stop(rep.stopped)

@@ -343,3 +343,23 @@ def test_a_codec_switch_waits_for_a_shard_that_is_restarting(tmp_path):
     assert epoch >= 1 and srv.shard.codec == "none" and cl.codec == "none"
     cl.close()
     srv.crash()
+
+
+def test_a_restarted_shard_of_an_elastic_job_keeps_its_joiners(tmp_path):
+    # joiners start with the job's first --world-size (2); the first Register after a restore re-bases an elastic
+    # job on the registrant's worker count: a recovering worker sends the count it last saw, not its start-up one
+    srv = _Restartable(tmp_path, 1)
+    cls = [client([srv.addr], r, 2, min_workers=1, max_workers=4, reconnect_deadline_s=20) for r in range(4)]
+    for cl in cls:
+        cl.setup(named(8), pull=False)
+    for cl in cls:
+        cl.pull(min_version=0)                       # every pull answer carries the live set: 0-3
+    assert cls[0].live_workers == [0, 1, 2, 3]
+    srv.ck.checkpoint("start")
+    srv.crash()
+    srv.restart()
+    cls[0].pull(min_version=0)                       # refused (a new incarnation): register again, then pull
+    assert srv.shard.live == {0, 1, 2, 3} and srv.shard.job.world_size == 4
+    for cl in cls:
+        cl.close()
+    srv.crash()
