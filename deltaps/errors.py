@@ -38,8 +38,7 @@ class PSError(RuntimeError):
 
     def __init__(self, code, message: str, reason: str | None = None):
         super().__init__(f"{code.name if code else 'UNKNOWN'}: {message}")
-        self.code = code
-        self.reason = reason
+        self.code, self.message, self.reason = code, message, reason
 
 
 class JobFailed(RuntimeError):

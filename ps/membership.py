@@ -336,7 +336,7 @@ class Membership:
         """Hold a push while the job is paused; past the wait timeout, or held_s (what the caller's own deadline
         leaves: answered before it, or the client would fail with DEADLINE_EXCEEDED), refuse it with reason PAUSED
         (the client retries: a paused job waits for workers, it does not fail)."""
-        deadline = time.monotonic() + min(self.wait_timeout_s, self.wait_timeout_s if held_s is None else held_s)
+        deadline = time.monotonic() + (self.wait_timeout_s if held_s is None else min(self.wait_timeout_s, held_s))
         with self.members:
             if not self.paused:
                 return

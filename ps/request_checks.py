@@ -39,9 +39,12 @@ def request_keys(shard, keys: list[str], what: str) -> list:
     return [shard.key_state(k) for k in keys]
 
 
-def check_chunk_shapes(shard, chunks, what: str) -> None:
-    """Each TensorChunk's shape holds exactly its key's elements (checked before anything is decoded)."""
-    for c, ks in zip(chunks, request_keys(shard, [c.key for c in chunks], what)):
+def check_chunk_shapes(shard, chunks) -> None:
+    """Each TensorChunk's shape holds exactly its key's elements (checked before anything is decoded; a key named
+    twice is the shard's push or init to refuse)."""
+    shard.require_job()
+    for c in chunks:
+        ks = shard.key_state(c.key)
         shape = list(c.shape)
         n = math.prod(shape) if all(d >= 0 for d in shape) else -1
         if n != ks.spec.numel:

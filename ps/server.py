@@ -76,7 +76,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
 
     @_guard
     def Init(self, req, context):
-        check_chunk_shapes(self.shard, req.values, "an Init")
+        check_chunk_shapes(self.shard, req.values)
         n = self.shard.init([(c.key, decode_chunk(c)) for c in req.values])
         return pb.InitResponse(initialized=n)
 
@@ -112,7 +112,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     def _push(self, req, rep, context) -> int:
         """Apply a push into `rep`; returns the version a PushPull's pull waits for beyond its own (0: none)."""
         self._check_server_id(req)
-        check_chunk_shapes(self.shard, req.grads, "a push")
+        check_chunk_shapes(self.shard, req.grads)
         grads, nbytes = [], 0
         for c in req.grads:
             g, n = unpack_chunk(c)

@@ -174,8 +174,8 @@ class ShardSession:
                 evicted = (method in self.PUSHES and e.code == grpc.StatusCode.FAILED_PRECONDITION
                            and e.reason == NOT_LIVE_MEMBER)
                 if e.code not in RETRYABLE and e.code != grpc.StatusCode.ABORTED and not evicted:
-                    message = str(e).split(": ", 1)[-1]      # said once more, naming the shard it came from
-                    raise PSError(e.code, f"shard {self.shard} at {self.addr}: {method}: {message}", e.reason) from e
+                    # said once more, naming the shard it came from
+                    raise PSError(e.code, f"shard {self.shard} at {self.addr}: {method}: {e.message}", e.reason) from e
                 if self.closed.is_set():
                     raise
                 t0 = time.monotonic() if t0 is None else t0

@@ -23,18 +23,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from deltaps.tools.process_tree import descendants
+from deltaps.tools.process_tree import descendants, stat_fields
 
 PERIOD_S = 0.25
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_s(path: str) -> float | None:
-    """utime + stime of a /proc stat file, seconds; None once the process or thread is gone."""
-    try:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+def _cpu_s(pid: int, task: int | None = None) -> float | None:
+    """utime + stime of a process (or one of its threads), seconds; None once it is gone."""
+    fields = stat_fields(pid, task)
+    if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) * TICK_S   # fields 14 and 15 of proc(5), after pid and (comm)
 
@@ -44,7 +42,7 @@ def readings(pid: int) -> dict[int, tuple[float, float]]:
     whose two stat files could both be read (one that ends between the two reads is left for the next sample)."""
     out = {}
     for p in [pid, *descendants(pid)]:
-        whole, first = _cpu_s(f"/proc/{p}/stat"), _cpu_s(f"/proc/{p}/task/{p}/stat")
+        whole, first = _cpu_s(p), _cpu_s(p, task=p)
         if whole is not None and first is not None:
             out[p] = (whole, first)
     return out

@@ -28,10 +28,11 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state, parent pid, ...); None once pid is gone (reaped)."""
+def stat_fields(pid: int, task: int | None = None) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, parent pid, ... as proc(5) numbers them from 3), or
+    /proc/PID/task/TASK/stat's (one thread's); None once it is gone (reaped)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None

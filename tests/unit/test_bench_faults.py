@@ -134,11 +134,7 @@ def test_a_kill_takes_the_whole_process_tree_even_children_in_a_session_of_their
     parent.wait(10)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":    # a zombie: dead, its parent gone before reaping it
-                    break
-        except FileNotFoundError:
+        if not process_tree.running(child):     # gone, or a zombie: dead, its parent gone before reaping it
             break
         time.sleep(0.05)
     else:
