@@ -8,6 +8,7 @@ import hashlib
 import io
 import logging
 import os
+import pickle
 import re
 import struct
 
@@ -79,11 +80,18 @@ def read_checkpoint(path: str) -> dict:
     return torch.load(io.BytesIO(body), weights_only=True)
 
 
-def load_latest(directory: str, shard_id: int) -> tuple[dict, str] | None:
-    """Newest checkpoint that reads back intact; corrupt ones are skipped with a log line."""
+def intact_checkpoints(directory: str, shard_id: int):
+    """(state, path) of each checkpoint that reads back intact, newest first; corrupt ones are skipped with a
+    log line."""
     for _, path in list_checkpoints(directory, shard_id):
         try:
-            return read_checkpoint(path), path
-        except (CheckpointError, OSError, RuntimeError, EOFError) as e:
+            state = read_checkpoint(path)
+        except (CheckpointError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
             log.error("skipping checkpoint %s: %s; trying the previous one", path, e)
-    return None
+            continue
+        yield state, path
+
+
+def load_latest(directory: str, shard_id: int) -> tuple[dict, str] | None:
+    """Newest checkpoint that reads back intact (None when there is none)."""
+    return next(intact_checkpoints(directory, shard_id), None)

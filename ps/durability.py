@@ -20,9 +20,10 @@ import logging
 import threading
 import time
 
-from ps.checkpoint import load_latest, write_checkpoint
+from ps.checkpoint import intact_checkpoints, write_checkpoint
 from ps.embedding import store_of
 from ps.shard import Shard
+from ps.state import parse_shard_state
 
 log = logging.getLogger("deltaps.durability")
 FORMAT = 1
@@ -77,32 +78,40 @@ def progress_version(shard: Shard) -> int | None:
 
 
 def restore(shard: Shard, state: dict) -> None:
-    """Load a snapshot into a fresh shard (same shard id and count). The shard keeps its new server_id."""
+    """Load a snapshot into a fresh shard (same shard id and count). The shard keeps its new server_id.
+    Both parts (dense keys, embedding tables) are built before either is adopted: if it raises, nothing changed."""
     if state.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {state.get('format')!r} not supported (want {FORMAT})")
-    shard.load_state_dict(state)
-    if state.get("embedding") is not None:   # the store attach() made keeps its --embedding-memory-cap
-        store_of(shard).load_state_dict(state["embedding"])
+    parsed = parse_shard_state(state, shard.shard_id, shard.num_shards)
+    store = None if state.get("embedding") is None else store_of(shard)   # the store attach() made keeps its cap
+    parsed_embedding = None if store is None else store.parse_state(state["embedding"])
+    shard.adopt_state(parsed)
+    if store is not None:
+        store.adopt_state(parsed_embedding)
     shard.durable_hist.clear()
     shard.durable_hist.append(durable_steps(state))
     shard.checkpoint_version = min_version(state)
 
 
 def restore_latest(shard: Shard, directory: str) -> str | None:
-    """Restore the newest intact checkpoint of this shard from `directory`; corrupt/truncated newer ones
-    are skipped with an error log line. Returns the path used, or None when there is none."""
-    found = load_latest(directory, shard.shard_id)
-    if found is None:
-        log.warning("shard %d: no intact checkpoint in %s; starting empty", shard.shard_id, directory)
-        return None
-    state, path = found
-    restore(shard, state)
-    store = _embedding(shard)
-    log.warning("shard %d: restored from %s (min version %d, live workers %s%s)", shard.shard_id, path,
-                shard.checkpoint_version, sorted(shard.live),
-                "" if store is None else f"; embedding tables at version {store.version}, live workers "
-                                         f"{sorted(store.live)}, {sum(t.rows for t in store.tables.values())} rows")
-    return path
+    """Restore the newest checkpoint of this shard from `directory` that reads back intact and loads;
+    corrupt/truncated ones, and ones that do not load (another format, another shard, missing fields), are
+    skipped with an error log line. Returns the path used, or None when there is none."""
+    for state, path in intact_checkpoints(directory, shard.shard_id):
+        try:
+            restore(shard, state)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+            log.error("skipping checkpoint %s: it does not load (%s: %s); trying the previous one", path,
+                      type(e).__name__, e)
+            continue
+        store = _embedding(shard)
+        log.warning("shard %d: restored from %s (min version %d, live workers %s%s)", shard.shard_id, path,
+                    shard.checkpoint_version, sorted(shard.live),
+                    "" if store is None else f"; embedding tables at version {store.version}, live workers "
+                                             f"{sorted(store.live)}, {sum(t.rows for t in store.tables.values())} rows")
+        return path
+    log.warning("shard %d: no checkpoint in %s reads back and loads; starting empty", shard.shard_id, directory)
+    return None
 
 
 class Checkpointer:

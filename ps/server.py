@@ -17,7 +17,7 @@ from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from deltaps.wire import decode_chunk, fill_chunk, fill_chunk_from_tensor, unpack_chunk
 from protos import PROTOCOL_VERSION, pb, rpc
 from ps.buffers import key_from_spec
-from ps.handlers import add_servicer
+from ps.handlers import REFUSALS, add_servicer
 from ps.optimizer import warm_up
 from ps.pull_views import check_offers
 from ps.request_checks import check_chunk_shapes, request_keys
@@ -29,7 +29,9 @@ ANSWER_MARGIN_S = 1.0   # a held push is answered (PAUSED) this long before its 
 
 
 def _guard(fn):
-    """Turn refusals into gRPC statuses; never let a bad request take the server down."""
+    """Turn refusals into gRPC statuses; never let a bad request take the server down. Anything else a handler
+    raises is the shard's fault: INTERNAL naming the RPC and the error (gRPC's own answer would be UNKNOWN,
+    "Exception calling application"), its traceback logged once per (RPC, error type), then rate-limited lines."""
     def wrapper(self, request, context):
         try:
             return fn(self, request, context)
@@ -37,8 +39,26 @@ def _guard(fn):
             abort(context, e)
         except CodecError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad payload: {e}")
+        except Exception as e:
+            if context.code() is not None:    # an abort already on its way out (it raises a bare Exception)
+                raise
+            _internal(context, fn.__name__, self.shard.shard_id, e)
     wrapper.__name__ = fn.__name__
     return wrapper
+
+
+_TRACED: set[tuple[str, str]] = set()   # (RPC, error type) whose traceback the log already has
+
+
+def _internal(context, rpc_name: str, shard_id: int, err: Exception) -> None:
+    kind = type(err).__name__
+    message = f"{rpc_name}: internal error on shard {shard_id} ({kind}: {err}); the shard's log has the traceback"
+    if (rpc_name, kind) not in _TRACED:
+        _TRACED.add((rpc_name, kind))
+        log.exception(message)
+    else:
+        REFUSALS.refused(context.peer(), f"internal {rpc_name} {kind}", message)
+    context.abort(grpc.StatusCode.INTERNAL, message)
 
 
 class ParameterServerServicer(rpc.ParameterServerServicer):

@@ -29,7 +29,7 @@ from ps.pull_views import PullView, answer_key, check_offers
 from ps.request_checks import request_keys, unique_keys, wait_seconds
 from ps.rounds import QuorumRounds, realigned_pull
 from ps.shard_stats import shard_stats
-from ps.state import Job, KeyState
+from ps.state import Job, KeyState, parse_shard_state
 
 log = logging.getLogger("deltaps.shard")
 
@@ -375,23 +375,20 @@ class Shard(Membership):
 
     def load_state_dict(self, state: dict) -> None:
         """Load state_dict() output into this shard (same shard id and count); it keeps its new server_id
-        and gives every live worker a full --worker-timeout to come back."""
-        if (state["shard_id"], state["num_shards"]) != (self.shard_id, self.num_shards):
-            raise ValueError(f"checkpoint is of shard {state['shard_id']}/{state['num_shards']}, "
-                             f"this server is {self.shard_id}/{self.num_shards}")
+        and gives every live worker a full --worker-timeout to come back. Nothing changes if it raises."""
+        self.adopt_state(parse_shard_state(state, self.shard_id, self.num_shards))
+
+    def adopt_state(self, parsed: dict) -> None:
+        """Take the objects ps/state.py parse_shard_state built (assignments only: cannot fail half way)."""
         with self.lock:
-            self.job = None if state["job"] is None else Job.from_state_dict(state["job"])
+            self.job, self.keys, self.live = parsed["job"], parsed["keys"], parsed["live"]
             if self.job is not None:
                 self._start_rounds()
-            self.codec, self.codec_epoch = state["codec"], state["codec_epoch"]
-            self.pull_spec = state.get("pull_spec", "none")
-            opt = self.job.optimizer if self.job is not None else None
-            self.keys = {name: KeyState.from_state_dict(k, opt, self.pull_spec) for name, k in state["keys"].items()}
-            self.live = set(state["live"])
+            self.codec, self.codec_epoch, self.pull_spec = parsed["codec"], parsed["codec_epoch"], parsed["pull_spec"]
             self.counters.clear()
-            self.counters.update(state["counters"])
+            self.counters.update(parsed["counters"])
             self.staleness.clear()
-            self.staleness.update(state["staleness"])
+            self.staleness.update(parsed["staleness"])
             now = time.monotonic()
             self.last_seen = {w: now for w in self.live}
             self.restored = True

@@ -104,3 +104,20 @@ class KeyState:
             ks.view = ks.pull_view(pull_spec, d["view"])
         ks.exact_since = d.get("exact_since", -1)
         return ks
+
+
+def parse_shard_state(state: dict, shard_id: int, num_shards: int) -> dict:
+    """A shard's state_dict() output, checked against this shard and built into the objects it holds; raises
+    (ValueError, KeyError, TypeError, RuntimeError) before the shard changes, so a checkpoint that does not load
+    leaves it as it was (ps/durability.py then tries the previous one)."""
+    if (state["shard_id"], state["num_shards"]) != (shard_id, num_shards):
+        raise ValueError(f"checkpoint is of shard {state['shard_id']}/{state['num_shards']}, "
+                         f"this server is {shard_id}/{num_shards}")
+    job = None if state["job"] is None else Job.from_state_dict(state["job"])
+    pull_spec = str(state.get("pull_spec", "none"))
+    opt = job.optimizer if job is not None else None
+    return {"job": job, "codec": str(state["codec"]), "codec_epoch": int(state["codec_epoch"]), "pull_spec": pull_spec,
+            "keys": {name: KeyState.from_state_dict(k, opt, pull_spec) for name, k in state["keys"].items()},
+            "live": {int(w) for w in state["live"]},
+            "counters": {k: int(v) for k, v in state["counters"].items()},
+            "staleness": {int(k): int(v) for k, v in state["staleness"].items()}}

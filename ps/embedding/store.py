@@ -325,20 +325,30 @@ class EmbeddingStore:
     def load_state_dict(self, state: dict) -> None:
         """Load state_dict() output (same shard id and count). The memory cap in force stays this store's
         (the command line's): a restored store over it serves the rows it holds and refuses new ones. Every
-        live worker gets a full worker timeout to come back."""
+        live worker gets a full worker timeout to come back. Nothing changes if it raises."""
+        self.adopt_state(self.parse_state(state))
+
+    def parse_state(self, state: dict) -> dict:
+        """state_dict() output checked against this store and built into its objects; raises before the store
+        changes (ps/durability.py restore parses the dense part and this one before adopting either)."""
         if (state["shard_id"], state["num_shards"]) != (self.shard_id, self.num_shards):
             raise ValueError(f"embedding checkpoint is of shard {state['shard_id']}/{state['num_shards']}, "
                              f"this server is {self.shard_id}/{self.num_shards}")
+        return {"tables": {name: (DynamicTable if t["spec"].get("dynamic") else ShardTable).from_state_dict(
+                               t, self.shard_id, self.num_shards) for name, t in state["tables"].items()},
+                "world_size": int(state["world_size"]), "sync": str(state["sync"]),
+                "live": {int(w) for w in state["live"]}, "version": int(state["version"]),
+                "pushed": {int(w): int(s) for w, s in state["pushed"].items()},
+                "agg": {int(w): {name: [(p[0], p[1]) for p in parts] for name, parts in tabs.items()}
+                        for w, tabs in state["agg"].items()},
+                "counters": {**dict.fromkeys(COUNTERS, 0), **{k: int(v) for k, v in state["counters"].items()}}}
+
+    def adopt_state(self, parsed: dict) -> None:
+        """Take what parse_state built (assignments only)."""
         with self.cond:
-            self.tables = {name: (DynamicTable if t["spec"].get("dynamic") else ShardTable).from_state_dict(
-                               t, self.shard_id, self.num_shards) for name, t in state["tables"].items()}
-            self.world_size, self.sync = int(state["world_size"]), state["sync"]
-            self.live, self.version = {int(w) for w in state["live"]}, int(state["version"])
-            self.pushed = {int(w): int(s) for w, s in state["pushed"].items()}
-            self._agg = {int(w): {name: [(p[0], p[1]) for p in parts] for name, parts in tabs.items()}
-                         for w, tabs in state["agg"].items()}
-            self.counters = dict.fromkeys(COUNTERS, 0)
-            self.counters.update({k: int(v) for k, v in state["counters"].items()})
+            self.tables, self.world_size, self.sync = parsed["tables"], parsed["world_size"], parsed["sync"]
+            self.live, self.version, self.pushed = parsed["live"], parsed["version"], parsed["pushed"]
+            self._agg, self.counters = parsed["agg"], parsed["counters"]
             now = time.monotonic()
             self.last_seen = {w: now for w in self.live}
             self.cond.notify_all()

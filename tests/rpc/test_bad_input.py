@@ -12,6 +12,7 @@ from deltaps.errors import PSError
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.transport import grpc_options
 from protos import PROTOCOL_VERSION, pb, rpc
+from ps import server as ps_server
 
 
 @pytest.fixture
@@ -265,3 +266,22 @@ def test_a_refusal_reaching_the_worker_names_the_shard_that_refused(setup):
         cl.push({"w": torch.full((100,), float("nan"))}, 0)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"shard 0 at {c.addrs[0]}: Push" in str(e.value) and "NaN" in str(e.value), str(e.value)
+
+
+def test_unexpected_handler_error_is_internal_naming_rpc_and_error(setup, monkeypatch, caplog):
+    """A fault of the shard's own (not a refusal) is INTERNAL naming the RPC and the error, not gRPC's
+    UNKNOWN "Exception calling application"; the traceback is logged once, the shard keeps serving."""
+    c, cl, stub = setup
+    shard = c.shards[0]
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero in a test")
+    monkeypatch.setattr(shard, "heartbeat", broken)
+    monkeypatch.setattr(ps_server, "_TRACED", set())
+    with caplog.at_level("WARNING", logger="deltaps.server"):
+        for _ in range(3):
+            _expect(grpc.StatusCode.INTERNAL, lambda: stub.Heartbeat(pb.HeartbeatRequest(worker_id=0), timeout=5),
+                    "Heartbeat", "ZeroDivisionError", "division by zero in a test", "shard 0")
+    assert len([r for r in caplog.records if r.exc_info]) == 1   # one traceback, then rate-limited lines
+    monkeypatch.undo()
+    assert stub.Heartbeat(pb.HeartbeatRequest(worker_id=0), timeout=5).live
