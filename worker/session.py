@@ -1,8 +1,9 @@
 """Client side of the failure semantics (docs/failure-semantics.md): one ShardSession per shard.
 
 * Reconnect: UNAVAILABLE / CANCELLED (connection refused or lost) is retried with exponential backoff
-  and jitter until `reconnect_deadline_s` has passed since the first failure; then a PSError naming the
-  shard and its address ends the job cleanly instead of hanging.
+  and jitter until `reconnect_deadline_s` has passed since the first failure of the outage (a recovery ends
+  it); then a PSError naming the shard and its address ends the job cleanly instead of hanging. One call
+  recovers at most MAX_RECOVERIES times.
 * Restart detection: Register returns the shard's `server_id` (random per server process). Every
   Push/Pull carries it; a restarted shard refuses requests meant for its predecessor with ABORTED.
 * Replay: every PushRequest is kept in a per-shard buffer until the shard reports it durable
@@ -36,6 +37,7 @@ log = logging.getLogger("deltaps.client")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 PAUSED_RETRY_S = 0.2    # between a push the paused job refused and its next attempt
+MAX_RECOVERIES = 8      # recoveries one call may need (each a restart or eviction seen after the last one)
 
 
 def backoff_delays(base: float = 0.05, cap: float = 2.0):
@@ -155,8 +157,9 @@ class ShardSession:
 
     def call(self, method: str, build, timeout: float):
         """Send build() (rebuilt per attempt, with the current server_id); recover and retry on connection
-        loss, a restarted shard (ABORTED) or eviction (pushes only)."""
-        t0 = None
+        loss, a restarted shard (ABORTED) or eviction (pushes only). The reconnect deadline runs from the
+        first failure of an outage: a recovery ends it, and a failure after that starts a new one."""
+        t0, recoveries = None, 0
         while True:
             with self.lock:
                 epoch = self.epoch
@@ -181,9 +184,13 @@ class ShardSession:
                 t0 = time.monotonic() if t0 is None else t0
                 if time.monotonic() - t0 > self.policy.reconnect_deadline_s:
                     raise self._unreachable(t0, e) from None
+                if recoveries >= MAX_RECOVERIES:   # a shard that restarts (or evicts us) as often as we come back
+                    raise PSError(e.code, f"shard {self.shard} at {self.addr}: {method} failed again after "
+                                          f"{recoveries} recoveries within one call: {e.message}", e.reason) from e
                 if evicted:
                     log.warning("worker %d: shard %d evicted us; re-registering", self.policy.worker_id, self.shard)
                 self.recover(epoch, t0, e)
+                t0, recoveries = None, recoveries + 1
 
     # ---- pushes ---------------------------------------------------------------------------------
     def push(self, req, timeout: float):
