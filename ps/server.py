@@ -182,8 +182,12 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
     def SetCodec(self, req, context):
         from compression import get_codec
         get_codec(req.codec)  # validates the spec (CodecError -> INVALID_ARGUMENT)
-        spec, epoch = self.shard.set_codec(req.codec)
-        log.warning("codec switched to %r (epoch %d)", spec, epoch)
+        if req.epoch < 0:
+            raise ShardError("INVALID_ARGUMENT", f"SetCodec: epoch {req.epoch} is negative")
+        before = self.shard.codec_epoch
+        spec, epoch = self.shard.set_codec(req.codec, req.epoch)
+        if epoch != before:
+            log.warning("codec switched to %r (epoch %d%s)", spec, epoch, ", caught up" if req.epoch else "")
         return pb.SetCodecResponse(codec=spec, codec_epoch=epoch)
 
     @_guard

@@ -341,12 +341,15 @@ class Shard(Membership):
         return out, time.monotonic() - t0
 
     # ---- control ---------------------------------------------------------------------------
-    def set_codec(self, spec: str) -> tuple[str, int]:
-        """Switch the job's codec; an 'auto' pull codec follows it (off when pushes go uncompressed)."""
+    def set_codec(self, spec: str, epoch: int = 0) -> tuple[str, int]:
+        """Switch the job's codec (at the next epoch, or at `epoch` when it is newer than this shard's: a restored
+        shard catching up); an 'auto' pull codec follows it (off when pushes go uncompressed)."""
         with self.lock:
+            if 0 < epoch <= self.codec_epoch:
+                return self.codec, self.codec_epoch
             pull_spec = resolve_pull_codec(self.job.pull_codec, spec) if self.job else "none"
             self.codec = spec
-            self.codec_epoch += 1
+            self.codec_epoch = epoch or self.codec_epoch + 1
             if pull_spec != self.pull_spec:
                 for ks in self.keys.values():
                     with ks.cond:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import zlib
@@ -31,24 +32,10 @@ from deltaps.sync import parse_sync
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, client_channels
 from deltaps.wire import accumulate_payload_into, chunk_from_tensor, fill_chunk, read_chunk
 from protos import PROTOCOL_VERSION, pb, rpc
+from worker.comm_stats import CommStats
 from worker.session import SessionPolicy, ShardSession
 
-
-class CommStats:
-    """Thread-safe byte and time counters of one client."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.c = defaultdict(float)
-
-    def add(self, **kw) -> None:
-        with self.lock:
-            for k, v in kw.items():
-                self.c[k] += v
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            return dict(self.c)
+log = logging.getLogger("deltaps.client")
 
 
 class PSClient:
@@ -373,11 +360,19 @@ class PSClient:
                         for f in msg.DESCRIPTOR.fields})
         return out
 
-    def on_shard_restart(self, shard: int) -> None:
-        """A shard came back from a checkpoint: forget the pull views held for its keys (full values next)."""
+    def on_shard_restart(self, shard: int, rep) -> None:
+        """A shard came back from a checkpoint (`rep`: its RegisterResponse): forget the pull views held for its
+        keys (full values next); a codec switch made after that checkpoint is sent to it again, at its epoch."""
         for k in self.layout:
             if k.shard == shard:
                 self.view_versions.pop(k.key, None)
+        if rep.codec_epoch < self.codec_epoch:
+            req = pb.SetCodecRequest(codec=self.codec, epoch=self.codec_epoch)
+            try:
+                call(self.stubs[shard].SetCodec, req, 10.0)
+            except PSError as e:   # pushes name their codec per chunk: a lagging shard is no reason to fail the job
+                log.warning("worker %d: shard %d came back at codec epoch %d (job: %d, %r); sending the switch "
+                            "again failed: %s", self.worker_id, shard, rep.codec_epoch, self.codec_epoch, self.codec, e)
 
     def close(self) -> None:
         self.closed.set()

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deltaps.exporter import LATENCY_BUCKETS
-from worker.client import CommStats
+from worker.comm_stats import CommStats
 
 log = logging.getLogger("deltaps.metrics")
 

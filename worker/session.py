@@ -67,7 +67,7 @@ class ShardSession:
     PUSHES = ("Push", "PushPull")          # RPCs whose NOT_LIVE_MEMBER refusal means "re-register and retry"
 
     def __init__(self, stub, addr: str, shard: int, policy: SessionPolicy, closed: threading.Event,
-                 on_restart: Callable[[int], None]):
+                 on_restart: Callable[[int, object], None]):
         self.stub, self.addr, self.shard = stub, addr, shard
         self.policy, self.closed, self.on_restart = policy, closed, on_restart
         self.lock = threading.RLock()       # held during recovery; guards the buffer
@@ -153,7 +153,7 @@ class ShardSession:
                 self._trim(resp.durable_step)
             self.server_id = rep.server_id
             self.epoch += 1
-            self.on_restart(self.shard)
+            self.on_restart(self.shard, rep)
 
     def call(self, method: str, build, timeout: float):
         """Send build() (rebuilt per attempt, with the current server_id); recover and retry on connection

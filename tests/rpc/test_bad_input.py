@@ -113,6 +113,8 @@ def test_pull_timeout_unknown_key_bad_codec_and_oversize(setup):
             lambda: stub.Pull(pb.PullRequest(keys=["w#0"], min_version=3, timeout_s=float("inf")), timeout=5), "finite")
     _expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.SetCodec(pb.SetCodecRequest(codec="lz4"), timeout=5),
             "lz4")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT,
+            lambda: stub.SetCodec(pb.SetCodecRequest(codec="int8", epoch=-1), timeout=5), "epoch -1")
     huge = _chunk(data=b"\0" * (70 << 20))     # over the server's 64 MiB limit
     big_stub = rpc.ParameterServerStub(grpc.insecure_channel(_addr(setup),
                                                              options=grpc_options(128 << 20)))

@@ -345,6 +345,29 @@ def test_a_codec_switch_waits_for_a_shard_that_is_restarting(tmp_path):
     srv.crash()
 
 
+def test_a_codec_switch_after_the_last_checkpoint_reaches_the_restored_shard(tmp_path):
+    # the checkpoint holds int8 at epoch 0; the switch to none (epoch 1) came after it. Each worker that sees the
+    # restart sends the switch again at its epoch: the first lands, the second changes nothing (epoch stays 1)
+    srv = _Restartable(tmp_path, 0)
+    cls = [client([srv.addr], r, 2, codec="int8", reconnect_deadline_s=20) for r in range(2)]
+    for cl in cls:
+        cl.setup(named(7), pull=False)
+    srv.ck.checkpoint("start")
+    cls[0].set_codec("none")
+    cls[1].pull(min_version=0)                      # the answer tells worker 1 of the switch
+    assert [cl.codec_epoch for cl in cls] == [1, 1]
+    srv.crash()
+    srv.restart()
+    assert (srv.shard.codec, srv.shard.codec_epoch) == ("int8", 0)
+    for cl in cls:
+        cl.pull(min_version=0)                      # refused (a new incarnation): register again, then pull
+    assert (srv.shard.codec, srv.shard.codec_epoch) == ("none", 1)
+    assert [(cl.codec, cl.codec_epoch) for cl in cls] == [("none", 1), ("none", 1)]
+    for cl in cls:
+        cl.close()
+    srv.crash()
+
+
 def test_a_restarted_shard_of_an_elastic_job_keeps_its_joiners(tmp_path):
     # joiners start with the job's first --world-size (2); the first Register after a restore re-bases an elastic
     # job on the registrant's worker count: a recovering worker sends the count it last saw, not its start-up one

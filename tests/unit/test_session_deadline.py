@@ -57,7 +57,7 @@ class _Stub:
 
 def _session(stub, deadline_s):
     s = ShardSession(stub, "127.0.0.1:1", 0, SessionPolicy(0, 5.0, deadline_s, 64), threading.Event(),
-                     on_restart=lambda shard: None)
+                     on_restart=lambda shard, rep: None)
     s.register(pb.RegisterRequest(worker_id=0))
     return s
 

@@ -17,7 +17,7 @@ from deltaps.embedding import TableSpec, ids_to_bytes, rows_from_bytes, rows_to_
 from deltaps.errors import call
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, client_channels
 from protos import PROTOCOL_VERSION, pb, rpc
-from worker.client import CommStats
+from worker.comm_stats import CommStats
 from worker.embedding.session import EmbeddingSession
 from worker.session import SessionPolicy
 

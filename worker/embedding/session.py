@@ -40,7 +40,7 @@ class EmbeddingSession(ShardSession):
     PUSHES = ("SparsePush",)
 
     def __init__(self, stub, channel, addr: str, shard: int, policy, closed: threading.Event):
-        super().__init__(stub, addr, shard, policy, closed, on_restart=lambda shard: None)
+        super().__init__(stub, addr, shard, policy, closed, on_restart=lambda shard, rep: None)
         self.channel = channel
         self.next_step = 0            # 1 + the highest step pushed to this shard
         self.pulled_from = ""         # server_id of the incarnation that served this worker's last pull
