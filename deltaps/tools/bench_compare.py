@@ -25,7 +25,7 @@ import time
 
 from deltaps.config import DEVICES, save_config
 from deltaps.strategies import parse_mode_spec, split_mode_specs
-from deltaps.tools import bench_faults, bench_figures, bench_protocol, bench_report, cpu_roles, netns
+from deltaps.tools import bench_faults, bench_figures, bench_plot, bench_protocol, bench_report, cpu_roles, netns
 from deltaps.tools.bench_nodes import Nodes, cpu_figures, topology_nodes
 from deltaps.tools.bench_seeds import merge
 from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
@@ -229,10 +229,7 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
 def compare(args) -> dict:
     if args.servers is None:
         args.servers = args.workers
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-    if args.time_cap is not None and args.time_cap < 1:     # below 1 the best peer would miss its own cap
-        raise ValueError(f"--time-cap must be >= 1, got {args.time_cap}")
+    bench_protocol.check_args(args)
     specs = split_mode_specs(args.modes)
     if len(set(specs)) != len(specs):
         raise ValueError("duplicate mode specs")
@@ -342,7 +339,7 @@ def compare(args) -> dict:
                     f", target reached at step {m['steps_to_target']} after {m['time_to_target_s']:.2f} s")
                 print(f"   median step {m['median_step_s'] * 1e3:.1f} ms, test acc {m['final_test_accuracy'] * 100:.2f} %"
                       + reached + cpu_roles.describe(m), flush=True)
-            except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - one run's failure is the report's to say; the others still run
                 store[spec].append({"error": str(e), "seed": seed})
                 print(f"   FAILED: {e}", file=sys.stderr, flush=True)
         for store in (runs, healthy) if healthy[specs[0]] else (runs,):
@@ -395,6 +392,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=2)
         print(f"wrote {args.json}")
     if args.plot:
-        bench_report.plot(report, args.plot)
+        bench_plot.plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 1 if report["failed_runs"] else 0

@@ -32,6 +32,19 @@ def bytes_per_round_fraction(results: list[dict], model_params: int) -> float | 
     return sum(per_worker) / len(per_worker) / (model_params * 4)
 
 
+def check_args(args) -> None:
+    """The race protocol's own flags, refused before anything starts."""
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.time_cap is not None and args.time_cap < 1:     # below 1 the best peer would miss its own cap
+        raise ValueError(f"--time-cap must be >= 1, got {args.time_cap}")
+    targeted = args.target_accuracy or args.target_auc or args.target_loss
+    if args.seeds > 1 and args.eval_every and targeted and not args.common_step:
+        # without it each seed would judge at its own default step: a median over different steps
+        raise ValueError("--seeds above 1 with a target needs --common-step: the one step every seed's modes "
+                         "train to and are compared at")
+
+
 def default_common_step(modes: dict) -> int | None:
     """The largest steps to target among the modes that reached it; none did: the last step every mode evaluated."""
     curves = [m for m in modes.values() if m.get("evals")]
@@ -124,7 +137,9 @@ def capped_run(eval_logs: list[list[dict]], cap_s: float, factor: float) -> dict
 
 
 def apply_time_cap(m: dict, cap_s: float | None, factor: float | None) -> None:
-    """A finished mode whose time to target passed the cap: not reached within it (its other figures stay)."""
+    """A finished mode whose time to target passed the cap: not reached within it (its other figures stay). What it
+    measured stays too, in time_to_target_uncapped_s / steps_to_target_uncapped: a peer runs to its end (the cap
+    stops deltaps modes only), and fp32 DDP's time is still the reference of `x vs ddp`."""
     if cap_s is None or "error" in m or m.get("capped"):
         return
     m["cap_s"] = cap_s
@@ -132,6 +147,7 @@ def apply_time_cap(m: dict, cap_s: float | None, factor: float | None) -> None:
     if t is not None and t > cap_s:
         m["capped"] = (f"reached after {t:.2f} s, beyond the cap ({factor:g} x the best peer's time to target = "
                        f"{cap_s:.2f} s)")
+        m["time_to_target_uncapped_s"], m["steps_to_target_uncapped"] = t, m["steps_to_target"]
         m["time_to_target_s"] = m["steps_to_target"] = None
 
 

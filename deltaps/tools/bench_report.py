@@ -68,15 +68,23 @@ def eval_fields(results: list[dict]) -> dict:
     all_reached = len(reached) == len(results)
     metric = metric_of(results[0])
     judges = [r for r in results if r.get("evals")] or results    # quorum rounds: rank 0 alone judges
-    curve = [{"step": pts[0]["step"], "time_s": max(p["time_s"] for p in pts), metric: pts[0][metric],
-              **{k: pts[0][k] for k in CURVE_EXTRAS if k in pts[0]}} for pts in zip(*(r["evals"] for r in judges))]
+    clocks: dict[int, list[float]] = {}     # step -> the clocks of the ranks that evaluated it (matched by step: a
+    for r in judges:                         # restarted rank evaluated fewer steps, from a later one on)
+        for p in r["evals"]:
+            clocks.setdefault(p["step"], []).append(p["time_s"])
+    curve = [{"step": p["step"], "time_s": max(clocks[p["step"]]), metric: p[metric],
+              **{k: p[k] for k in CURVE_EXTRAS if k in p}} for p in judges[0]["evals"]]
     return {"time_to_target_s": max(reached) if all_reached else None,
             "steps_to_target": results[0].get("steps_to_target") if all_reached else None,
             "evals": curve, "eval_s": max(r.get("eval_s", 0.0) for r in results)}
 
 
 def _ratio(reference: dict | None, m: dict) -> float | None:
-    a, b = (reference or {}).get("time_to_target_s"), m.get("time_to_target_s")
+    """reference's time to target / m's; a reference past the time cap counts with what it measured (it ran to its
+    end: bench_protocol.apply_time_cap)."""
+    reference = reference or {}
+    a = reference.get("time_to_target_s") or reference.get("time_to_target_uncapped_s")
+    b = m.get("time_to_target_s")
     return a / b if a is not None and b else None
 
 
@@ -171,8 +179,10 @@ def failed_row(spec: str, m: dict, ncols: int) -> list[str]:
 
 def time_cells(m: dict) -> list[str]:
     """The time-to-target columns of a mode (TIME_COLS)."""
-    t = m.get("time_to_target_s")
+    t, measured = m.get("time_to_target_s"), m.get("time_to_target_uncapped_s")
     missed = "not reached within the cap" if m.get("capped") else "not reached"
+    if t is None and measured is not None:
+        missed += f" (reached after {measured:.2f} s)"
     return [(f"{t:.2f} s" if t is not None else missed) + range_text(m), m.get("steps_to_target") or "—",
             _x(m.get("speedup_vs_best_peer")), _x(m.get("speedup_vs_ddp"))]
 
@@ -194,6 +204,9 @@ def common_step_cell(report: dict, m: dict) -> str:
     ref = v - d if d is not None else None
     if d is not None:
         text += f" ({d / ref * 100:+.1f} %)" if loss and ref else f" ({d * 100:+.2f} pp)"
+    at = m.get("common_step_evaluated_at")
+    if at is not None and at != m.get("common_step"):    # it evaluates at its sync points only: after more steps
+        text += f" @{at:.0f}"
     return text + (" !" if m.get("common_step_flag") else "")
 
 
@@ -219,7 +232,7 @@ def format_table_mlp(report: dict) -> str:
         da, frac = m.get("accuracy_delta_vs_allreduce"), m.get("bytes_per_round_fraction")
         rows.append([spec] + (time_cells(m) if timed else []) + step_cells(m) + [
             f"{m['final_test_accuracy'] * 100:.2f} %",
-            "—" if da is None else f"{da * 100:+.2f} pp" + (" !" if m.get("accuracy_flag") else ""),
+            "—" if da is None else f"{da * 100:+.2f} pp" + (" !" if m.get("accuracy_flag") and not common else ""),
             _x(m.get("speedup_vs_allreduce"))] + [common_step_cell(report, m), round_cell(frac, m)] * common)
     notes = []
     if timed:
@@ -227,10 +240,11 @@ def format_table_mlp(report: dict) -> str:
     if common:
         steps = sorted({m["common_step"] for m in report["modes"].values() if "common_step" in m})
         notes.append(f"@ common step = {metric_label(report)} at step {'/'.join(map(str, steps))} (the first evaluation "
-                     f"from there on; vs ddp's; ! = beyond {ACCURACY_FLAG * 100:.1f} points, or 1 % of a loss); "
+                     f"from there on, @N where that is step N; vs ddp's; ! = beyond {ACCURACY_FLAG * 100:.1f} points, "
+                     f"or 1 % of a loss); "
                      f"round/model = bytes one worker pushes + pulls per outer round / the fp32 model's bytes "
                      f"(carried: the share of the rounds' deltas + residuals, squared L2, the pushes carried)")
-    if any(m.get("accuracy_flag") for m in report["modes"].values()):
+    if not common and any(m.get("accuracy_flag") for m in report["modes"].values()):
         notes.append(f"! = final accuracy differs from fp32 DDP's by more than {ACCURACY_FLAG * 100:.1f} points")
     return "\n".join([table(cols, rows)] + notes)
 
@@ -283,83 +297,10 @@ def header(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: str) -> None:
-    """Step split per mode, final accuracy per mode (flagged ones red) and, when there were evaluations,
-    test accuracy against training seconds with the target line."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = [k for k, m in report["modes"].items() if measured(m)]
-    ms = [report["modes"][k] for k in modes]
-    curves = any(m.get("evals") for m in ms)
-    ratios = [2, 1, 2] if curves else [2, 1]
-    fig, axes = plt.subplots(1, len(ratios), figsize=(max(8, 2.2 * len(modes) + 4) + (6 if curves else 0), 4.5),
-                             gridspec_kw={"width_ratios": ratios})
-    ax1, ax2 = axes[0], axes[1]
-    x = range(len(modes))
-    bottom = [0.0] * len(modes)
-    for key, label, color in (("compute_s_per_step", "compute", "#4c72b0"), ("comm_s_per_step", "comm", "#dd8452"),
-                              ("wait_s_per_step", "wait", "#c44e52")):
-        vals = [m[key] * 1e3 for m in ms]
-        ax1.bar(x, vals, bottom=bottom, label=label, color=color)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, m in enumerate(ms):
-        sp = m.get("speedup_vs_allreduce")
-        ax1.text(i, bottom[i], f"{bottom[i]:.0f} ms" + (f"\nx{sp:.2f}" if sp else ""), ha="center", va="bottom",
-                 fontsize=8)
-    ax1.set_ylim(0, max(bottom, default=0) * 1.15 or 1)    # headroom for the labels above the bars
-    ax1.set_xticks(list(x), modes, rotation=15, fontsize=8)
-    ax1.set_ylabel("mean step time (ms)")
-    ax1.set_title(f"step split, {report['workers']} workers @ {report['bandwidth']}"
-                  + ("" if report["shaped"] else " (loopback, NOT shaped)"), fontsize=9)
-    ax1.legend(fontsize=8)
-    auc = metric_of(report) == "test_auc"     # the click-through workload: AUC, not click accuracy
-    accs = [m["final_test_auc" if auc else "final_test_accuracy"] * 100 for m in ms]
-    ax2.bar(x, accs, color=["#d62728" if m.get("accuracy_flag") else "#55a868" for m in ms])
-    for i, a in enumerate(accs):
-        ax2.text(i, a, f"{a:.1f}", ha="center", va="bottom", fontsize=8)
-    ax2.set_ylim(max(0, min(accs, default=0) - 10), 100)
-    ax2.set_xticks(list(x), modes, rotation=15, fontsize=8)
-    ax2.set_ylabel("final test AUC (x100)" if auc else "final test accuracy (%)")
-    ax2.set_title(f"{'AUC' if auc else 'accuracy'}, {report['model_params'] / 1e6:.1f}M params"
-                  + ("" if auc else " (red: >0.5 pp off ddp)"), fontsize=9)
-    if curves:
-        ax3, metric = axes[2], metric_of(report)
-        for spec, m in zip(modes, ms):
-            pts = m.get("evals") or []
-            t = m.get("time_to_target_s")
-            label = f"{spec}: " + (f"{t:.2f} s" if t is not None else "not reached") + (" !" if m.get("accuracy_flag") else "")
-            ax3.plot([p["time_s"] for p in pts], [p[metric] * 100 for p in pts], marker=".", label=label,
-                     linestyle="--" if is_peer(spec) else "-")
-        if report.get("target"):
-            ax3.axhline(report["target"] * 100, color="black", linewidth=0.8, linestyle=":", label="target")
-        times = [p["time_s"] for m in ms for p in (m.get("evals") or []) if p["time_s"] > 0]
-        if times and max(times) > 20 * min(times):   # modes 10-100x apart: a log axis keeps the fast ones readable
-            ax3.set_xscale("log")
-            ax3.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # labels on decades only
-        ax3.set_xlabel("training time (s, evaluations excluded)")
-        ax3.set_ylabel("test AUC (x100)" if metric == "test_auc" else "test accuracy (%)")
-        ax3.set_title(f"time to target (best peer: {report.get('best_peer') or '—'})", fontsize=9)
-        _rows_live(ax3, modes, ms)
-        legend = ax3.legend(fontsize=7)
-        for text, m in zip(legend.get_texts(), ms):
-            if m.get("accuracy_flag"):
-                text.set_color("#d62728")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _rows_live(ax, modes: list[str], ms: list[dict]) -> None:
-    """Hybrid's rows on the shards at each evaluation (table_rows_live), dotted on a right-hand axis."""
-    if not any("table_rows_live" in p for m in ms for p in m.get("evals") or ()):
-        return
-    rows = ax.twinx()
-    for spec, m in zip(modes, ms):
-        pts = [p for p in m.get("evals") or () if "table_rows_live" in p]
-        rows.plot([p["time_s"] for p in pts], [p["table_rows_live"] / 1e3 for p in pts], linestyle=":", label=spec)
-    rows.set_ylabel("rows on the shards (thousands, dotted)")
+def flagged(m: dict) -> bool:
+    """Red in the table and the PNG: the metric at the race's common step off ddp's (bench_protocol), or without a
+    common step the final accuracy (each mode's own stopping step)."""
+    return bool(m.get("common_step_flag")) if "common_step_flag" in m else bool(m.get("accuracy_flag"))
 
 
 def format_table(report: dict) -> str:

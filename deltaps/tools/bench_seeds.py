@@ -24,14 +24,23 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+STEP_VALUED = ("steps_to_target", "steps_to_target_uncapped", "common_step_evaluated_at", "steps", "common_step")
+
+
+def _median(key: str, values: list):
+    """A step's median is a step some seed evaluated (the lower middle of an even count), a time's the plain median."""
+    return statistics.median_low(values) if key in STEP_VALUED else statistics.median(values)
+
+
 def _medians(finished: list[dict]) -> dict:
     """The first seed's dict with every number that all seeds have replaced by its median, in nested dicts too
-    (cpu_cores_in_training, straggler); curves and other non-numbers stay the first seed's."""
+    (cpu_cores_in_training, straggler); a number some seed lacks is null (not the first seed's alone); curves and
+    other non-numbers stay the first seed's."""
     out = dict(finished[0])
     for key, value in finished[0].items():
         values = [r.get(key) for r in finished]
-        if _number(value) and all(_number(v) for v in values):
-            out[key] = statistics.median(values)
+        if _number(value) or any(_number(v) for v in values):
+            out[key] = _median(key, values) if all(_number(v) for v in values) else None
         elif isinstance(value, dict) and all(isinstance(v, dict) for v in values):
             out[key] = _medians(values)
     return out
@@ -45,17 +54,30 @@ def merge(runs: list[dict]) -> dict:
                 "seeds": [{k: r.get(k) for k in ("seed", "error")} for r in runs]}
     finished = [r for r in runs if "median_step_s" in r] or runs     # the cap may stop a seed before it finished
     out = _medians(finished)
+    out.pop("seed", None)                                             # each seed's is in `seeds`
     for key in EVERY_SEED_OR_NULL:
         values = [r.get(key) for r in runs]
         if key in out:
-            out[key] = statistics.median(values) if all(_number(v) for v in values) else None
+            out[key] = _median(key, values) if all(_number(v) for v in values) else None
     for key in ("time_to_target_s", "steps_to_target"):
         reached = [r.get(key) for r in runs if r.get(key) is not None]
-        out[key] = statistics.median(reached) if len(reached) == len(runs) else None
+        out[key] = _median(key, reached) if len(reached) == len(runs) else None
         out[key.removesuffix("_s") + "_range" + ("_s" if key.endswith("_s") else "")] = (
             [min(reached), max(reached)] if reached else None)
+        # what every seed measured, the cap's verdict aside (bench_protocol.apply_time_cap)
+        measured = [r.get(key) if r.get(key) is not None else r.get(_uncapped(key)) for r in runs]
+        if any(_uncapped(key) in r for r in runs):
+            out[_uncapped(key)] = _median(key, measured) if all(_number(v) for v in measured) else None
+    capped = [r for r in runs if r.get("capped")]
+    out.pop("capped", None)
+    if capped:
+        out["capped"] = f"{len(capped)} of {len(runs)} seeds: seed {capped[0]['seed']} {capped[0]['capped']}"
     out["seeds"] = [{**{k: r.get(k) for k in PER_SEED}, **{k: r[k] for k in PER_SEED_WHERE_RUN if k in r}} for r in runs]
     return out
+
+
+def _uncapped(key: str) -> str:
+    return key.removesuffix("_s") + "_uncapped" + ("_s" if key.endswith("_s") else "")
 
 
 def range_text(m: dict) -> str:

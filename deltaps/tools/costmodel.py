@@ -145,7 +145,7 @@ def predict_allreduce(cal: Calibration, job: Job) -> dict:
         net = max(net, cal.compute(W, cal.allreduce_host_s) * G / (cal.host_probe_bytes or G))
     reduce = (W - 1) / W * G / cal.reduce_Bps * (cal.stretch(W) if job.host_cores else 1.0) if W > 1 else 0.0
     comm = net + reduce
-    last_bucket = min(G, job.bucket_cap_bytes) if G else 0
+    last_bucket = last_bucket_bytes(job.tensors, job.bucket_cap_bytes)    # the same buckets as predict_ps
     overlap = fb * cal.bwd_fraction * (1 - last_bucket / G) if G else 0.0
     exposed = max(0.0, comm - overlap)
     step = fb + opt + exposed

@@ -160,3 +160,22 @@ def test_seeds_and_table_with_a_capped_seed():
     only = merge([capped, {**capped, "seed": 2}])
     assert not br.measured(only)
     assert br.failed_row("ps:int8", only, 5) == ["ps:int8", "not reached within the cap (15.00 s)", "stopped at 100", "", ""]
+
+
+def test_seeds_with_a_target_need_one_common_step():
+    from argparse import Namespace
+    args = Namespace(seeds=3, time_cap=3.0, eval_every=16, target_accuracy=0.9, target_auc=None, target_loss=None,
+                     common_step=None)
+    with pytest.raises(ValueError, match="--common-step"):
+        bp.check_args(args)
+    bp.check_args(Namespace(**{**vars(args), "common_step": 512}))
+    bp.check_args(Namespace(**{**vars(args), "seeds": 1}))          # one seed: its own default step is the race's
+
+
+def test_a_metric_read_after_the_common_step_says_where():
+    from deltaps.tools import bench_report as br
+    report = {"modes": {}, "workload": "clf"}
+    m = {"metric_at_common_step": 0.923, "metric_at_common_step_delta_vs_ddp": None, "common_step": 512,
+         "common_step_evaluated_at": 576}
+    assert br.common_step_cell(report, m) == "92.30 % @576"
+    assert br.common_step_cell(report, {**m, "common_step_evaluated_at": 512}) == "92.30 %"

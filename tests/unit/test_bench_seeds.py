@@ -45,3 +45,28 @@ def test_the_table_and_header_show_seeds_and_ranges():
     assert br.time_cells(m)[0] == "5.00 s (4.00-6.00)"
     assert br.seed_text({"seed": 0, "seeds": [0, 1, 2]}) == "seeds 0-2 (figures: medians over them)"
     assert br.seed_text({"seed": 3, "seeds": [3]}) == "seed 3"
+
+
+def test_a_capped_seed_marks_the_mode_and_what_it_measured_stays():
+    """A peer past the cap (it ran to its end) is 'not reached within the cap' with what it measured; merged, the
+    mode says how many seeds the cap took and keeps the median of what every seed measured."""
+    from deltaps.tools import bench_protocol as bp
+    runs = [_run(0, 4.0, 300, 9.0), _run(1, 20.0, 340, 10.0), _run(2, 5.0, 320, 12.0)]
+    bp.apply_time_cap(runs[1], 15.0, 3)
+    assert runs[1]["time_to_target_s"] is None and runs[1]["time_to_target_uncapped_s"] == 20.0
+    m = merge(runs)
+    assert m["capped"].startswith("1 of 3 seeds: seed 1 reached after 20.00 s")
+    assert m["time_to_target_s"] is None and m["time_to_target_uncapped_s"] == 5.0
+    assert m["steps_to_target_uncapped"] == 320
+    assert br.time_cells(m)[0].startswith("not reached within the cap (reached after 5.00 s)")
+    assert "seed" not in m                                      # a median of seed numbers means nothing
+    other = {"time_to_target_s": 2.5}
+    assert br._ratio(m, other) == 2.0                           # x vs ddp: the reference's measured time
+
+
+def test_even_seed_counts_give_evaluated_steps_and_missing_numbers_are_null():
+    a, b = _run(0, 4.0, 336, 9.0), _run(1, 6.0, 352, 10.0)
+    a["start_skew_s"] = 0.9                                     # only seed 0 has it: not seed 0's figure, null
+    m = merge([a, b])
+    assert m["steps_to_target"] == 336 and m["time_to_target_s"] == 5.0   # a step some seed evaluated
+    assert m["start_skew_s"] is None

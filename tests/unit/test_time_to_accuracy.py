@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deltaps.config import TrainConfig
+from deltaps.tools import bench_plot
 from deltaps.tools import bench_report as br
 from worker.trainers import base
 from worker.trainers.strategy import load_job as load_config
@@ -247,10 +248,22 @@ def test_eval_fields_take_the_slowest_rank():
     assert br.eval_fields([{"steps": 3}]) == {}
 
 
+def test_eval_fields_match_a_restarted_rank_by_step():
+    """A rank restarted mid-run evaluated fewer steps, from a later one on: the curve keeps every step rank 0
+    evaluated, each at the slowest clock of the ranks that evaluated that step (not paired by list position)."""
+    rank0 = {"time_to_target_s": 4.16, "steps_to_target": 416, "eval_s": 0.1,
+             "evals": [{"step": s, "time_s": s / 100, "test_accuracy": s / 500} for s in range(16, 417, 16)]}
+    rank1 = {"time_to_target_s": 4.3, "steps_to_target": 416, "eval_s": 0.1,
+             "evals": [{"step": s, "time_s": s / 100 + 0.14, "test_accuracy": s / 500} for s in range(224, 417, 16)]}
+    f = br.eval_fields([rank0, rank1])
+    assert [p["step"] for p in f["evals"]] == list(range(16, 417, 16))
+    assert f["evals"][0]["time_s"] == 0.16 and f["evals"][-1]["time_s"] == 4.16 + 0.14
+
+
 def test_plot_draws_the_curves(tmp_path):
     r = _report()
     br.add_time_to_accuracy(r, 0.9)
-    br.plot(r, str(tmp_path / "p.png"))
+    bench_plot.plot(r, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
@@ -267,15 +280,15 @@ def test_rows_live_ride_along_the_curve_and_get_their_own_axis(tmp_path):
     f = br.eval_fields([res([100, 150]), res([0, 0])])
     assert [p["table_rows_live"] for p in f["evals"]] == [100, 150]           # rank 0's count, the one that reads it
     fig, ax = plt.subplots()
-    br._rows_live(ax, ["a"], [{"evals": [{"step": 1, "time_s": 1.0}]}])
+    bench_plot._rows_live(ax, ["a"], [{"evals": [{"step": 1, "time_s": 1.0}]}])
     assert len(fig.axes) == 1                                                 # nothing to draw: no second axis
-    br._rows_live(ax, ["a"], [f])
+    bench_plot._rows_live(ax, ["a"], [f])
     assert len(fig.axes) == 2 and fig.axes[1].lines[0].get_ydata().tolist() == [0.1, 0.15]
     plt.close(fig)
     r = _report()
     next(iter(r["modes"].values()))["evals"] = f["evals"]
     br.add_time_to_accuracy(r, 0.9)
-    br.plot(r, str(tmp_path / "p.png"))
+    bench_plot.plot(r, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
