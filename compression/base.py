@@ -169,6 +169,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         k, eq, v = item.partition("=")
         if not eq or not k:
             raise CodecError(f"bad codec parameter {item!r} in spec {spec!r} (want key=value)")
+        if k.strip() in params:
+            raise CodecError(f"codec parameter {k.strip()!r} given twice in spec {spec!r}")
         params[k.strip()] = _parse_value(v.strip())
     return name.strip().lower(), params
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from compression.base import Codec, Payload
+from compression.server import all_finite
 
 
 def squared_norm(t: torch.Tensor) -> float:
@@ -41,6 +42,10 @@ class ErrorFeedback:
         if getattr(self.codec, "internal_error_feedback", False):
             if key in self._residual:  # e.g. left over from a codec used before set_spec
                 tensor = self.fold(key, tensor).view(tensor.shape).to(tensor.dtype)
+            return self.codec.compress(tensor, seed=seed, key=key)
+        if key in self._residual and not all_finite(tensor.detach()):
+            # a NaN / Inf step never enters the memory: the codec sends it alone (the shard's --nonfinite policy judges
+            # it) or refuses it, and the rounds of residual held so far stay (folding first would lose them either way)
             return self.codec.compress(tensor, seed=seed, key=key)
         g = self.fold(key, tensor)
         due = squared_norm(g) if self.measure else 0.0

@@ -78,7 +78,7 @@ class Compressor:
                 tensor = self._ef.fold(key, tensor).view(tensor.shape).to(tensor.dtype)
             payload = codec.compress(tensor, seed=seed, key=key)
             if self.measure_energy:     # what the payload did not carry is dropped
-                lost = tensor.reshape(-1).float() - codec.decompress(payload).reshape(-1).float()
+                lost = tensor.reshape(-1).float() - codec.decompress_on(payload, tensor.device).reshape(-1).float()
                 energy = (squared_norm(tensor), squared_norm(lost))
         if payload.codec != "none" and payload.nbytes >= raw:  # codec without a size estimate: send what was due raw
             if self._use_ef and not getattr(codec, "internal_error_feedback", False):

@@ -44,8 +44,10 @@ class DGCCodec(SparseCodec):
         self.ratio = check_ratio("dgc", ratio)
         if not 0 <= momentum < 1:
             raise CodecError(f"dgc: momentum must be in [0, 1), got {momentum!r}")
-        if clip < 0 or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise CodecError("dgc: clip must be >= 0 and warmup_steps an int >= 0")
+        if (not isinstance(clip, (int, float)) or isinstance(clip, bool) or not math.isfinite(clip) or clip < 0
+                or not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0):
+            raise CodecError(f"dgc: clip must be a finite number >= 0 and warmup_steps an int >= 0, got {clip!r}, "
+                             f"{warmup_steps!r}")
         self.momentum, self.clip, self.warmup_steps = float(momentum), float(clip), warmup_steps
         self._state: dict[str, _State] = {}
 
@@ -79,7 +81,8 @@ class DGCCodec(SparseCodec):
         k = k_for(self.density(st.steps if step is None else step), g.numel())
         idx = topk_indices(st.v, k, seed)
         payload = self._encode(tensor, idx, st.v, {})
-        st.v[idx] = 0
+        # what went out is v rounded to the tensor's dtype: a bf16 / fp16 gradient's rounding stays in v, not lost
+        st.v[idx] = st.v[idx] - st.v[idx].to(tensor.dtype).to(st.v.dtype)
         st.u[idx] = 0
         st.steps += 1
         return payload

@@ -117,7 +117,7 @@ class LowRankCodec(Codec):
     def compress_leaving(self, tensor: torch.Tensor, residual: torch.Tensor, *, seed: int = 0,
                          key: str | None = None) -> Payload:
         payload, decoded = self._encode(tensor, seed)       # what the receiver decodes, without parsing the payload
-        residual.view(-1).sub_(decoded.view(-1).to(residual.dtype))
+        residual.view(-1).sub_(decoded.view(-1).to(residual.device, residual.dtype))   # a GPU worker's residual
         return payload
 
     def _encode(self, tensor: torch.Tensor, seed: int) -> tuple[Payload, torch.Tensor]:

@@ -14,14 +14,15 @@ from compression.codecs.common import chunk_blocks, decode_target, flat_float, m
 from compression.wire import body_size, check_payload, header_int, new_body, read_body
 
 INV127 = float(np.float32(1.0 / 127.0))
+MAX_CHUNK = 2**31 - 1    # the header's int (msgpack, the shard's header_int): larger ones would not encode
 
 
 class _ChunkQuantCodec(Codec):
     decodes_on_device = True
 
     def __init__(self, chunk: int = 4096):
-        if not isinstance(chunk, int) or chunk < 1:
-            raise CodecError(f"{self.name}: chunk must be a positive int, got {chunk!r}")
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= MAX_CHUNK:
+            raise CodecError(f"{self.name}: chunk must be an int in [1, {MAX_CHUNK}], got {chunk!r}")
         self.chunk = chunk
 
     def _sections(self, n: int, chunk: int):
@@ -34,7 +35,16 @@ class _ChunkQuantCodec(Codec):
         n = check_payload(payload)
         chunk = header_int(payload, "chunk", 1)
         scale, q = read_body(payload, self._sections(n, chunk))
+        # a NaN / Inf scale is a non-finite gradient (the shard's --nonfinite policy judges it); a negative one or a
+        # code the encoder never writes is a corrupt payload (a flipped sign, or a value past the chunk's max)
+        bound = self._max_code(payload)
+        lo, hi = torch.aminmax(q) if n else (torch.tensor(0), torch.tensor(0))
+        if bool((scale < 0).any()) or int(lo) < -bound or int(hi) > bound:
+            raise CodecError(f"{payload.codec}: a negative scale or a code outside [-{bound}, {bound}]: corrupt payload")
         return n, chunk, self._multiplier(payload, scale), q
+
+    def _max_code(self, payload: Payload) -> int:
+        return 127
 
     def _multiplier(self, payload: Payload, scale: torch.Tensor) -> torch.Tensor:
         return scale
@@ -101,7 +111,7 @@ class QSGDCodec(_ChunkQuantCodec):
 
     def __init__(self, levels: int = 16, chunk: int = 4096):
         super().__init__(chunk)
-        if not isinstance(levels, int) or not 1 <= levels <= 127:
+        if not isinstance(levels, int) or isinstance(levels, bool) or not 1 <= levels <= 127:
             raise CodecError(f"qsgd: levels must be an int in [1, 127], got {levels!r}")
         self.levels = levels
 
@@ -109,7 +119,10 @@ class QSGDCodec(_ChunkQuantCodec):
         return f"qsgd:levels={self.levels},chunk={self.chunk}"
 
     def _multiplier(self, payload: Payload, scale: torch.Tensor) -> torch.Tensor:
-        return scale / float(header_int(payload, "levels", 1, 127))
+        return scale / float(self._max_code(payload))
+
+    def _max_code(self, payload: Payload) -> int:
+        return header_int(payload, "levels", 1, 127)
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
         x = flat_float(tensor)

@@ -9,7 +9,7 @@ import torch
 from compression import cuda
 from compression.base import Codec, CodecError, Payload, register
 from compression.codecs.common import decode_target, det_abs_mean, flat_float, make_payload
-from compression.wire import check_payload, header_float, new_body, read_body
+from compression.wire import check_payload, new_body, read_body
 
 
 @register("sign")
@@ -35,9 +35,11 @@ class SignCodec(Codec):
 
     def _read(self, payload: Payload):
         n = check_payload(payload)
-        scale = header_float(payload, "scale")
-        if scale < 0:
-            raise CodecError(f"sign: header field 'scale'={scale} is negative")
+        scale = payload.header.get("scale")
+        # mean |g| of a gradient holding NaN / Inf is NaN / Inf: it decodes so, for the shard's --nonfinite policy
+        # (skip acknowledges it unapplied); only a negative scale or one that is no number is a corrupt payload
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale < 0:
+            raise CodecError(f"sign: header field 'scale'={scale!r} is not a number >= 0")
         (bits,) = read_body(payload, [(torch.uint8, (n + 7) // 8)])
         return n, scale, bits
 

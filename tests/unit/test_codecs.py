@@ -291,7 +291,11 @@ def test_sparse_rejects_bad_indices(spec, enc):
 def test_unknown_codec_and_bad_spec():
     with pytest.raises(CodecError, match="unknown codec"):
         decode_payload(Payload("zstd9", (3,), "float32", b"\0" * 12))
-    for spec in ["topk:ratio=2", "int8:chunk=0", "qsgd:levels=300", "nope", "topk:foo=1"]:
+    for spec in ["topk:ratio=2", "int8:chunk=0", "qsgd:levels=300", "nope", "topk:foo=1",
+                 # accepted once, then every push failed on the shard (a bool header) or in msgpack (a huge int);
+                 # a NaN clip turned clipping off; a repeated key silently kept the last value
+                 "int8:chunk=true", "qsgd:levels=true", "int8:chunk=100000000000000000000", "dgc:clip=nan",
+                 "dgc:warmup_steps=true", "topk:ratio=0.1,ratio=0.9"]:
         with pytest.raises(CodecError):
             get_codec(spec)
 
@@ -325,3 +329,70 @@ def test_subnormal_chunks_stay_finite_and_error_feedback_loses_nothing(spec, sha
             residual = ef.residual("k")
             assert torch.isfinite(sent).all() and torch.isfinite(residual).all(), f"round {r}"
         assert torch.allclose(sent + residual.double(), 3 * t.view(-1).double(), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name,bound", [("int8", 127), ("qsgd", 16)])
+def test_int8_and_qsgd_refuse_a_negative_scale_or_a_code_past_their_bound(name, bound):
+    """A negative scale flips a chunk's signs and passes every finiteness check; a code the encoder never writes
+    (int8's -128, qsgd's past its levels) decodes past the chunk's max. A NaN scale is a NaN gradient, not a
+    corrupt payload: it decodes to NaN for the shard's --nonfinite policy."""
+    from compression.wire import read_body
+    codec = get_codec(name)
+    x = torch.randn(300)
+    for damage in ("scale", "code"):
+        p = codec.compress(x)
+        scale, q = read_body(p, codec._sections(300, codec.chunk))     # views into the payload's body
+        if damage == "scale":
+            scale[0] = -scale[0]
+        else:
+            q[7] = -bound - 1
+        with pytest.raises(CodecError, match="corrupt payload"):
+            codec.decompress(p)
+        with pytest.raises(CodecError, match="corrupt payload"):
+            codec.accumulate(p, torch.zeros(300))
+    x[3] = float("nan")
+    assert torch.isnan(codec.decompress(codec.compress(x))).all()
+
+
+@pytest.mark.parametrize("spec", ["chunktopk:density=0.1", "topk:ratio=0.1", "int8"])
+def test_a_non_finite_step_leaves_the_error_feedback_memory_as_it_was(spec):
+    """chunktopk refuses a NaN step, int8 sends it (the shard's --nonfinite policy judges it): either way the
+    residual of the rounds before stays whole, not lost (refused) or poisoned (NaN folded in)."""
+    from compression import Compressor
+    comp = Compressor(spec, min_bytes=0, error_feedback=True)
+    for step in range(3):
+        comp.compress("w", torch.randn(4096, generator=torch.Generator().manual_seed(step)), step=step)
+    before = comp._ef.residual("w").clone()
+    bad = torch.randn(4096)
+    bad[5] = float("nan")
+    try:
+        comp.compress("w", bad, step=3)
+    except CodecError:
+        pass
+    assert torch.equal(comp._ef.residual("w"), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dgc_keeps_the_rounding_of_what_it_sent(dtype):
+    """DGC sends v rounded to the gradient's dtype: the rounding stays in v (momentum 0: what was due = what the
+    receivers got + what v holds, to float32 accuracy)."""
+    codec = get_codec("dgc:ratio=0.05,momentum=0")
+    due, got = torch.zeros(2048), torch.zeros(2048)
+    for step in range(20):
+        g = torch.randn(2048, generator=torch.Generator().manual_seed(step)).to(dtype)
+        due += g.float()
+        got += decode_payload(codec.compress(g, key="w")).float()
+    assert (due - got - codec.residual("w")).abs().max() < 1e-4
+
+
+def test_sign_decodes_a_non_finite_gradient_as_such_and_refuses_a_negative_scale():
+    """A NaN gradient's mean |g| is NaN: it decodes to NaN for the shard's --nonfinite policy (it used to be refused
+    as a corrupt payload, past --nonfinite skip); a negative scale is corrupt."""
+    codec = get_codec("sign")
+    x = torch.randn(64)
+    x[9] = float("nan")
+    assert torch.isnan(decode_payload(codec.compress(x))).all()
+    p = codec.compress(torch.randn(64))
+    bad = Payload(p.codec, p.shape, p.dtype, p.data, {**p.header, "scale": -1.0})
+    with pytest.raises(CodecError, match="scale"):
+        decode_payload(bad)

@@ -125,3 +125,18 @@ def test_cupy_bitpack_kernel_equals_cpu(bits):
         words = cuda.bitpack_words(cupy.asarray(d), bits, -(-(m * bits) // 64))
         got = cupy.asnumpy(words).view(np.uint8)[:wire.packed_nbytes(m, bits)]
         assert got.tobytes() == wire.bitpack(d, bits).tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec,ef", [("lowrank:rank=4", True), ("int8", False), ("lowbit:bits=2", True)])
+def test_a_gpu_workers_compressor_keeps_its_memory_on_the_gpu(spec, ef):
+    """A GPU worker's round codec: the error-feedback residual (lowrank decoded on the CPU) and the energy measure
+    (a codec without feedback: what the payload lost) both meet the gradient on its device."""
+    _cuda()
+    from compression import Compressor
+    comp = Compressor(spec, min_bytes=0, error_feedback=ef, measure_energy=True)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(3)).cuda()
+    for step in range(3):
+        comp.compress("w", x, step=step)
+    if ef:
+        assert comp._ef.residual("w").device.type == "cuda"
