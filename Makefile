@@ -172,7 +172,7 @@ bench-peers-quick: setup
 advise-validate: setup
 	$(BIN)/python -m deltaps.tools.advise validate --workers 2,4 --bandwidths 100mbit,1gbit,10gbit --steps 30 --dir /tmp/deltaps-advise-validate
 
-# The GPU path end to end on a machine with a CUDA GPU (docs/gpu.md; ~5 minutes on one H200): the gpu extra
+# The GPU path end to end on a machine with a CUDA GPU (docs/gpu.md; an estimate, not yet run: ~5 minutes on one H200): the gpu extra
 # (cupy) unless a cupy build is already there, then one script (deltaps/tools/gpu_check.py: pytest -m gpu, bench
 # codecs on the GPU, GPU launches against CPU ones, NCCL ddp), everything in gpu-check/. GPU_PY: an interpreter that
 # already has a CUDA torch (a CUDA image's python3), used instead of .venv (whose torch comes from `make setup`).

@@ -203,15 +203,14 @@ class WorkerMetrics:
         self._last_timing = {k: opt.timing.get(k, 0.0) for k in ("blocked_s", "wait_s")}
 
     def on_step(self, step_seconds: float, loss: float, samples: int) -> None:
-        blocked = wait = 0.0
-        if self.opt is not None:
-            t = self.opt.timing
+        if self.opt is not None:     # the split is measured where a DistributedOptimizer is attached (ps modes);
+            t = self.opt.timing      # elsewhere it is not known, and is not exported as all compute
             blocked = t["blocked_s"] - self._last_timing["blocked_s"]
             wait = t["wait_s"] - self._last_timing["wait_s"]
             self._last_timing = {"blocked_s": t["blocked_s"], "wait_s": t["wait_s"]}
-        self.compute.inc(max(0.0, step_seconds - blocked))
-        self.comm.inc(max(0.0, blocked - wait))
-        self.wait.inc(max(0.0, wait))
+            self.compute.inc(max(0.0, step_seconds - blocked))
+            self.comm.inc(max(0.0, blocked - wait))
+            self.wait.inc(max(0.0, wait))
         self.step_s.observe(step_seconds)
         self.steps.inc()
         self.samples.inc(samples)

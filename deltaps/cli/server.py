@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
                         "in parallel, and idle OpenMP threads spin on cores the workers need)")
     s.add_argument("--wait-timeout", type=float, default=300.0,
                    help="longest a pull/barrier may block waiting for other workers, seconds")
-    s.add_argument("--max-message-bytes", type=int, default=64 << 20, help="gRPC max message size")
+    s.add_argument("--max-message-bytes", type=parse_bytes, default=64 << 20,
+                   help="gRPC max message size (bytes, or 64MiB / 128M ...; default 64 MiB)")
     s.add_argument("--checkpoint-dir", help="write checkpoints of this shard here (atomic, checksummed; also on SIGTERM)")
     s.add_argument("--checkpoint-every-steps", type=int, default=0,
                    help="checkpoint whenever the shard's min key version advanced this many steps (0 = off)")

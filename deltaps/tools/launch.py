@@ -103,6 +103,7 @@ def launch(cfg: TrainConfig, json_path: str | None = None, host: str = "127.0.0.
             with open(log_path, "w") as log:
                 servers.append(start(["server", "--host", host, "--port", "0", "--shard-id", str(i),
                                       "--num-shards", str(cfg.servers), "--port-file", os.path.join(tmp, f"server{i}.port"),
+                                      "--max-message-bytes", str(cfg.max_message_bytes),    # the job's, as its workers'
                                       *_metrics_args(metrics, host, os.path.join(tmp, f"server{i}.metrics.port")),
                                       *security.server.argv("server"), *(server_args or [])], log))
         addrs = [f"{host}:{wait_port_file(os.path.join(tmp, f'server{i}.port'), p, log=server_logs[i])}"
