@@ -58,7 +58,17 @@ class Codec:
     def accumulate(self, payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:
         """out.view(-1) += alpha * decompress(payload), decoded where `out` lives. Sparse codecs override with a
         scatter-add."""
-        out.view(-1).add_(self.decompress_on(payload, out.device).view(-1).to(out.dtype), alpha=alpha)
+        out.view(-1).add_(self.decode_float32(payload, out.device).view(-1).to(out.dtype), alpha=alpha)
+
+    def decode_float32(self, payload: Payload, device: torch.device) -> torch.Tensor:
+        """The payload's values in float32 on `device`, not rounded to the payload's dtype: what error feedback
+        takes off its memory and what a float32 sum (the shard's, a pull's) adds must be the same numbers."""
+        if payload.dtype == "float32":
+            return self.decompress_on(payload, device)
+        where = device if device.type == "cpu" or self.decodes_on_device else torch.device("cpu")
+        buf = torch.empty(payload.shape, dtype=torch.float32, device=where)
+        self.decompress(payload, out=buf)     # fills buf (what it returns may be cast to the payload's dtype)
+        return buf.to(device)
 
     def compress_leaving(self, tensor: torch.Tensor, residual: torch.Tensor, *, seed: int = 0,
                          key: str | None = None) -> Payload:
@@ -137,6 +147,9 @@ class NoneCodec(Codec):
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         return tensor_from_bytes(payload.data, payload.dtype, payload.shape)
+
+    def decode_float32(self, payload: Payload, device: torch.device) -> torch.Tensor:
+        return self.decompress(payload).to(device, torch.float32)     # raw values: exact in float32 from 16 bits
 
     def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel * torch.empty((), dtype=dtype).element_size()

@@ -92,7 +92,9 @@ def unpack_payload(payload: Payload) -> Decoded:
         if isinstance(codec, SparseCodec):
             n, idx, vals = codec._read(payload)
             return Decoded(n, indices=idx, values=vals, codec=payload.codec)
-        dense = codec.decompress(payload)
+        # float32, whatever the payload's dtype: what the sender's error feedback took off its memory (a 16-bit
+        # payload decoded to its own dtype would round away part of every push)
+        dense = codec.decode_float32(payload, torch.device("cpu"))
         return Decoded(dense.numel(), dense=dense, codec=payload.codec)
     except CodecError:
         raise

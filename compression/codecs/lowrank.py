@@ -173,9 +173,8 @@ class LowRankCodec(Codec):
             p = odd_level_values(_unpack(pc, m * rank, bits).view(m, rank), ps, levels)
             q = odd_level_values(_unpack(qc, cols * rank, bits).view(cols, rank), qs, levels)
             values = p @ q.T
-        values = values.reshape(payload.shape).to(wire.value_dtype(payload))
         if out is None:
-            return values
-        out.copy_(values.view(out.shape))
+            return values.reshape(payload.shape).to(wire.value_dtype(payload))
+        out.copy_(values.view(out.shape))    # out's dtype (the shard's float32: what the sender's feedback took off)
         return out
 
