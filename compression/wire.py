@@ -215,6 +215,14 @@ def index_section(payload: Payload, n: int, k: int) -> tuple[str, int, int, int]
     raise CodecError(f"{payload.codec}: unknown index encoding {enc!r} (want 'u16' or 'bp')")
 
 
+def check_padding(codec: str, packed, used_bits: int, what: str = "packed section") -> None:
+    """The bits of an LSB-first packed section past its last value are zero, as every encoder writes them: one
+    payload per gradient, and a flipped padding bit is a corrupt payload, not an accepted one."""
+    tail = used_bits % 8
+    if tail and len(packed) and int(packed[-1]) >> tail:
+        raise CodecError(f"{codec}: nonzero padding bits in the {what}: corrupt payload")
+
+
 def decode_indices(payload: Payload, n: int, k: int, enc: str, bits: int, i0: int,
                    section: torch.Tensor) -> torch.Tensor:
     """int64 indices from a validated index section; CodecError unless strictly ascending in [0, n)."""
@@ -226,9 +234,7 @@ def decode_indices(payload: Payload, n: int, k: int, enc: str, bits: int, i0: in
             raise CodecError(bad)
         return torch.from_numpy(idx)
     m = k - 1
-    tail = (m * bits) % 8
-    if tail and int(raw[-1]) >> tail:
-        raise CodecError(f"{payload.codec}: nonzero padding bits in the packed indices")
+    check_padding(payload.codec, raw, m * bits, "packed indices")
     idx = np.empty(k, dtype=np.int64)
     idx[0] = i0
     if m:
@@ -273,6 +279,8 @@ def ef_decode(codec: str, low_section: torch.Tensor, high_section: torch.Tensor,
               universe: int) -> np.ndarray:
     """int64 values of validated-size sections; CodecError unless count strictly ascending values in [0, universe)."""
     low = ef_low_bits(universe, count)
+    check_padding(codec, high_section, ef_high_nbits(universe, count), "position bit vector")
+    check_padding(codec, low_section, count * low, "positions' low bits")
     high = np.unpackbits(high_section.numpy(), count=ef_high_nbits(universe, count), bitorder="little")
     ones = np.flatnonzero(high)
     if ones.size != count:

@@ -134,5 +134,6 @@ class ChunkTopKCodec(SparseCodec):
         scales, low_sec, high_sec, code_sec = read_body(payload, _sections(n, c, bits, sent))
         check_scales(self.name, scales)
         flat = torch.from_numpy(wire.ef_decode(self.name, low_sec, high_sec, sent, n))
+        wire.check_padding(self.name, code_sec, sent * bits, "codes")
         codes = torch.from_numpy(wire.bitunpack(code_sec.numpy(), sent, bits).astype(np.int64))
         return n, flat, odd_level_values(codes, scales[flat // c], (1 << bits) - 1)

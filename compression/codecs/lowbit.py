@@ -22,7 +22,7 @@ from compression.codecs.common import (
     odd_level_codes,
     padded_rows,
 )
-from compression.wire import body_size, check_payload, header_int, new_body, read_body
+from compression.wire import body_size, check_padding, check_payload, header_int, new_body, read_body
 
 BITS = (2, 4)
 MAX_CHUNK = 1 << 16     # values per scale: larger chunks only coarsen the levels (and a decoder pads to one)
@@ -97,6 +97,7 @@ class LowBitCodec(Codec):
             raise CodecError(f"lowbit: header bits={bits}, must be 2 or 4")
         scale, packed = read_body(payload, self._sections(n, chunk, bits))
         check_scales("lowbit", scale)
+        check_padding("lowbit", packed, n * bits, "codes")
         levels = (1 << bits) - 1
         codes = torch.nn.functional.pad(unpack_codes(packed, n, bits), (0, -n % chunk)).view(-1, chunk)
         return n, codes.float().mul_(2).sub_(levels).mul_(scale[:, None] / levels).view(-1)[:n]   # as _encode's values

@@ -69,6 +69,7 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(section: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    wire.check_padding("lowrank", section, count * bits, "codes")
     return torch.from_numpy(wire.bitunpack(section.numpy(), count, bits).astype(np.int64))
 
 

@@ -9,7 +9,7 @@ import torch
 from compression import cuda
 from compression.base import Codec, CodecError, Payload, register
 from compression.codecs.common import decode_target, det_abs_mean, flat_float, make_payload
-from compression.wire import check_payload, new_body, read_body
+from compression.wire import check_padding, check_payload, new_body, read_body
 
 
 @register("sign")
@@ -41,6 +41,7 @@ class SignCodec(Codec):
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale < 0:
             raise CodecError(f"sign: header field 'scale'={scale!r} is not a number >= 0")
         (bits,) = read_body(payload, [(torch.uint8, (n + 7) // 8)])
+        check_padding("sign", bits, n, "sign bits")
         return n, scale, bits
 
     @staticmethod

@@ -151,6 +151,8 @@ def test_corrupt_positions_and_headers_are_codec_errors():
     with pytest.raises(CodecError, match="out of range"):
         decode_payload(_with_high_bits(p, high, 24, last_past_the_end))
     with pytest.raises(CodecError, match="not strictly ascending"):   # every low part 7: 0 and 3 collide
+        decode_payload(_tampered(p, low, b"\xff" * 4 + b"\x01"))       # the 33 bits; the 7 padding bits stay 0
+    with pytest.raises(CodecError, match="nonzero padding bits in the positions' low bits"):
         decode_payload(_tampered(p, low, b"\xff" * 5))
     for scale in (-1.0, np.nan, np.inf):        # a negative scale would flip its chunk's signs, silently
         with pytest.raises(CodecError, match="chunktopk: a scale in the payload is negative, NaN or Inf"):
