@@ -225,7 +225,7 @@ class Topology:
             _run(tc + ["root", "handle", "1:", "netem", "delay", f"{half_ms * 1000:.0f}us", "limit", "100000"])
             parent = ["parent", "1:1"]
         if self.rate_bps:
-            burst = int(max(128 * 1024, self.rate_bps / 8 * 0.002))   # >= 2 ms of traffic, >= a GSO super-packet x2
+            burst = link_burst_bytes(self.rate_bps)
             _run(tc + parent + ["handle", "10:", "tbf", "rate", f"{int(self.rate_bps)}bit",
                                 "burst", str(burst), "latency", "50ms"])
 
@@ -260,6 +260,18 @@ class Topology:
         return (f"{self.nodes} namespaces ({self.prefix}-0..{self.nodes - 1}) on bridge {self.bridge_ns}, "
                 f"veth links shaped with tbf at {self.rate or 'unlimited'} each way{lat}, "
                 f"addresses {self.subnet}.2-{self.nodes + 1}")
+
+
+BURST_MIN_BYTES = 8 * 1024
+
+
+def link_burst_bytes(rate_bps: float) -> int:
+    """tbf's bucket: 1 ms of traffic, at least BURST_MIN_BYTES (a few full frames). A bucket refills while a link is
+    idle and its contents then leave at veth speed: 128 KiB (the old size) sent a 160 KB message after a second's idle
+    at 38.8 Mbit/s on a "10 Mbit/s" link, so a compressed round, idle between exchanges, went mostly unshaped while
+    a megabyte allreduce did not (measured: /tmp/burst_probe.py, docs/compare.md). tbf cuts a GSO super-packet larger
+    than its bucket into segments, so a small bucket drops nothing."""
+    return int(max(BURST_MIN_BYTES, rate_bps / 8 * 0.001))
 
 
 def measure_throughput(topo: Topology, src: int, dst: int, nbytes: int = 8 << 20, port: int = 5201) -> float:

@@ -3,6 +3,7 @@ import importlib.util
 import json
 import subprocess
 import tempfile
+import time
 
 import pytest
 
@@ -52,6 +53,18 @@ def test_namespace_link_is_shaped_and_torn_down():
     finally:
         topo.down()
     assert netns.list_leftovers(TEST_PREFIX) == {"netns": [], "links": []}
+
+
+@needs_root
+def test_a_small_message_after_idle_is_shaped_too():
+    """A compressed round (~160 KB) sent after the link was idle takes its size / rate: the token bucket holds 1 ms
+    of traffic, not 128 KiB (which sent it at 38.8 Mbit/s on a 10 Mbit/s link: rounds mostly unshaped, a megabyte
+    allreduce not)."""
+    with netns.Topology(2, rate="10mbit", prefix=TEST_PREFIX) as topo:
+        time.sleep(1.0)                                   # idle: the bucket refills
+        nbytes = 160_000
+        seconds = netns.stream_seconds(topo, [(0, 1)], 5303, nbytes)[0]
+        assert seconds >= 0.9 * nbytes * 8 / 10e6, f"{nbytes * 8 / seconds / 1e6:.1f} Mbit/s through a 10mbit link"
 
 
 @needs_root
