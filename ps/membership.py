@@ -41,15 +41,19 @@ class Membership:
     def _admit(self, worker: int) -> None:
         """(Re)join `worker` at the current version (self.lock held). A worker not live has its pushed count on
         each key raised to at least the key's version, so it is never "behind" and its next step is
-        worker_step(). A live one re-registering (its connection dropped) keeps its counts: under --sync quorum
-        its late delta, still to be re-sent, must fold into the next round, not be taken for a duplicate."""
+        worker_step(). Under --sync quorum every re-registering worker keeps its counts, live (its connection
+        dropped) or evicted (by mistake, its delta in flight): that late delta, still to be re-sent, must fold into
+        the next round, not be taken for a duplicate."""
         store = getattr(self, "embedding", None)   # row-sparse tables (ps/embedding/): rejoin them too
         if store is not None:
             store.admit(worker)
         with self._all_keys_locked():
             if worker not in self.live:
-                for ks in self.keys.values():
-                    ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
+                # under quorum the counts stay (worker_step starts a joiner at the version all the same): a worker
+                # evicted while its round's delta was in flight re-sends it, and it folds in late, not as a duplicate
+                if self.job is None or self.job.sync.kind != "quorum":
+                    for ks in self.keys.values():
+                        ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
                 self.live.add(worker)
                 self.counters["rejoins"] += 1
                 self.members.notify_all()
@@ -90,7 +94,10 @@ class Membership:
         return mode, pull_spec
 
     def worker_step(self, worker: int) -> int:
-        """The step this worker pushes next on this shard (min over keys); a (re)joining worker starts here."""
+        """The step this worker pushes next on this shard (min over keys); a (re)joining worker starts here. Under
+        quorum a worker may skip to the open round (ps/rounds.py), so it starts at most there."""
+        if self.job is not None and self.job.sync.kind == "quorum":
+            return min((max(ks.pushed.get(worker, 0), ks.version) for ks in self.keys.values()), default=0)
         return min((ks.pushed.get(worker, 0) for ks in self.keys.values()), default=0)
 
     def durable_step(self, worker: int) -> int:
@@ -203,6 +210,13 @@ class Membership:
                 return False
             del self.attending[worker]
         return not self.shutting_down and self.evict(worker, "its Attend stream closed: the worker is gone")
+
+    def resume_heartbeats(self) -> None:
+        """After a restore: the reaper watches the heartbeats the checkpoint recorded, so a worker that died while the
+        shard was down goes after ABSENT_BEATS of them, not after --worker-timeout (rounds wait for it till then)."""
+        beats = [s for s in self.beat_s.values() if s > 0]
+        if beats:
+            self.start_reaper(ABSENT_BEATS * min(beats))
 
     def expect_heartbeats(self, worker: int, beat_s: float) -> None:
         """Register (checked there): `worker` heartbeats every beat_s (0: it does not; --worker-timeout alone applies)."""

@@ -374,6 +374,9 @@ class Shard(Membership):
                 "live": sorted(self.live), "keys": {name: ks.state_dict() for name, ks in self.keys.items()},
                 "counters": {k: int(v) for k, v in self.counters.items()},
                 "staleness": {int(k): int(v) for k, v in self.staleness.items()},
+                # a restored shard evicts a worker that died meanwhile after its heartbeats, not --worker-timeout
+                "beat_s": {int(w): float(s) for w, s in self.beat_s.items()},
+                "stopped": None if self.stopped is None else dict(self.stopped),   # the job stays stopped
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -388,13 +391,10 @@ class Shard(Membership):
             if self.job is not None:
                 self._start_rounds()
             self.codec, self.codec_epoch, self.pull_spec = parsed["codec"], parsed["codec_epoch"], parsed["pull_spec"]
-            self.counters.clear()
-            self.counters.update(parsed["counters"])
-            self.staleness.clear()
-            self.staleness.update(parsed["staleness"])
-            now = time.monotonic()
-            self.last_seen = {w: now for w in self.live}
-            self.restored = True
+            self.counters, self.staleness = Counter(parsed["counters"]), Counter(parsed["staleness"])
+            self.beat_s, self.stopped = parsed["beat_s"], parsed["stopped"]
+            self.last_seen, self.restored = dict.fromkeys(self.live, time.monotonic()), True
+        self.resume_heartbeats()
 
     def stats(self) -> dict:
         return shard_stats(self)
