@@ -13,7 +13,7 @@ from deltaps.errors import PAUSED, ShardError
 from deltaps.pull_codec import resolve_pull_codec
 from deltaps.sync import parse_sync
 from ps.reaper import reaper_tick, start_reaper
-from ps.request_checks import check_world_size, unique_keys, wait_seconds
+from ps.request_checks import check_world_size, unique_keys
 
 log = logging.getLogger("deltaps.shard")
 
@@ -240,50 +240,6 @@ class Membership:
                 raise ShardError("FAILED_PRECONDITION",
                                  f"worker {worker} disagrees with the running job on {what}: "
                                  f"job has {mine}, worker sent {theirs}")
-
-    # ---- barriers: every live worker arrives (an eviction releases the others) ------------------
-    def barrier(self, worker: int, name: str, timeout_s: float = 0.0, alive=None) -> float:
-        """Wait until every live worker arrived at barrier `name`. Meanwhile the worker pushes nothing: quorum
-        rounds stop counting on it (ps/rounds.py), so the last worker still training is never stuck on it."""
-        self.require_job()
-        self.touch(worker)
-        with self._barrier_cond:
-            self.in_barrier.add(worker)
-        try:
-            if self.rounds is not None:
-                self._close_due_rounds()
-            return self._wait_barrier(worker, name, timeout_s, alive)
-        finally:
-            with self._barrier_cond:
-                self.in_barrier.discard(worker)
-
-    def _close_due_rounds(self) -> None:
-        for ks in list(self.keys.values()):
-            with ks.cond:
-                self._maybe_complete_step(ks)
-
-    def _wait_barrier(self, worker: int, name: str, timeout_s: float, alive) -> float:
-        timeout = wait_seconds(timeout_s, self.wait_timeout_s)
-        t0 = time.monotonic()
-        with self._barrier_cond:
-            b = self._barriers.setdefault(name, {"gen": 0, "arrived": set()})
-            gen = b["gen"]
-            b["arrived"].add(worker)
-            if self.live <= b["arrived"]:
-                b["gen"] += 1
-                b["arrived"] = set()
-                self._barrier_cond.notify_all()
-            while b["gen"] == gen:
-                left = t0 + timeout - time.monotonic()
-                if left <= 0:
-                    b["arrived"].discard(worker)
-                    raise ShardError("DEADLINE_EXCEEDED", f"barrier {name!r} timed out after {timeout:.1f}s")
-                self._barrier_cond.wait(min(left, 0.5))
-                if alive is not None and not alive():
-                    b["arrived"].discard(worker)
-                    raise ShardError("CANCELLED", "the client waiting in the barrier went away")
-                self.touch(worker)
-        return time.monotonic() - t0
 
     def stop(self, worker: int, step: int, time_s: float, reason: str = "") -> bool:
         """A worker stopped the job (--sync quorum: its evaluation reached the target). Pulls waiting for a round

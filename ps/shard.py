@@ -30,13 +30,14 @@ from ps.request_checks import request_keys, unique_keys, wait_seconds
 from ps.rounds import QuorumRounds, realigned_pull
 from ps.shard_stats import shard_stats
 from ps.state import Job, KeyState, parse_shard_state
+from ps.waits import Waits
 
 log = logging.getLogger("deltaps.shard")
 
 NONFINITE_POLICIES = ("reject", "skip")
 
 
-class Shard(Membership):
+class Shard(Membership, Waits):
     def __init__(self, shard_id: int, num_shards: int, wait_timeout_s: float = 300.0, *,
                  worker_timeout_s: float = 0.0, nonfinite: str = "reject"):
         if nonfinite not in NONFINITE_POLICIES:
@@ -74,6 +75,7 @@ class Shard(Membership):
         self.staleness = Counter()
         self._barriers: dict[str, dict] = {}
         self.in_barrier: set[int] = set()          # workers waiting in a barrier: quorum rounds do not wait for them
+        self.ahead: Counter = Counter()            # worker -> its pushes waiting for a later round (nor for them)
         self._barrier_cond = threading.Condition()
 
     # ---- membership -------------------------------------------------------------------------
@@ -259,24 +261,11 @@ class Shard(Membership):
         ks.agg_weight += weight
         self._maybe_complete_step(ks)
 
-    def _wait_for_step(self, ks: KeyState, worker: int, step: int) -> None:
-        """bsp: a push of step s is aggregated only once the key finished step s-1 (ks.cond held). Normal
-        training never waits here (a worker pulls version s before pushing step s); a replay after a shard
-        restart does, so one worker's replayed step s+1 never mixes into step s's aggregation."""
-        deadline = time.monotonic() + self.wait_timeout_s
-        while ks.version < step and ks.pushed.get(worker, 0) <= step:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ShardError("DEADLINE_EXCEEDED", f"key {ks.spec.key!r}: push of step {step} by worker {worker} "
-                                                      f"waited {self.wait_timeout_s:.1f}s for step {ks.version}")
-            ks.cond.wait(min(left, 0.5))
-            self.touch(worker)
-
     def _maybe_complete_step(self, ks: KeyState) -> None:
         """Apply the open round of `ks` if it is complete: bsp, every live worker pushed; quorum, ps/rounds.py."""
         if not ks.agg_from or self.paused:
             return
-        if not (self.live <= ks.agg_from if self.rounds is None else self.rounds.due(ks, self.live - self.in_barrier)):
+        if not (self.live <= ks.agg_from if self.rounds is None else self.rounds.due(ks, self.counted_live())):
             return
         self.step_contributors[len(ks.agg_from)] += 1
         if ks.spec.is_buffer:

@@ -68,3 +68,21 @@ def test_a_rounds_first_delta_long_after_it_opened_does_not_starve_it_at_once():
     t0 = time.monotonic()
     rounds.contributed(ks)
     assert rounds.starve_at["w#0"] >= t0 + max(0.5, STARVED_MIN_S)
+
+
+def test_a_replayed_push_waiting_for_a_later_round_is_not_waited_for():
+    """After a restore, a worker's replayed push of a round it had skipped ahead to waits for that round; the round
+    open now must not wait for it (quorum = every worker): it closes with the others, then the push goes in. Before,
+    each waited for the other until --wait-timeout (300 s) and every replay failed."""
+    shard = _quorum_shard(0.0)
+    shard.rounds.sync = parse_sync("quorum:3")       # Q = all: only counted_live lets round 0 close
+    shard.wait_timeout_s = 5.0
+    ks = shard.keys["w#0"]
+    ks.pushed[2] = 1                                 # restored: worker 2 is past round 0 (it skipped ahead)
+    one = torch.ones(N)
+    shard.push(0, 0, [("w#0", one)], [0])
+    shard.push(1, 0, [("w#0", one)], [0])
+    assert ks.version == 0                           # round 0 waits for worker 2 (Q = all)
+    t0 = time.monotonic()
+    shard.push(2, 1, [("w#0", one)], [1])            # waits for round 0 to close: it must not hold it
+    assert time.monotonic() - t0 < 2.0 and ks.version == 1 and 2 in ks.agg_from
