@@ -36,11 +36,11 @@ def test_a_worker_evicted_with_its_delta_in_flight_still_folds_it_in(cluster_fac
         cl.close()
 
 
-def _quorum_shard(beat_s: float) -> Shard:
+def _quorum_shard(beat_s: float, sync: str = "quorum:2") -> Shard:
     shard = Shard(0, 1)
     key = Key("w#0", "w", 0, N, "float32", 0)
     for w in range(3):
-        shard.register(w, 3, 1, "quorum:2", AVG, [key], "d", "none", local_steps=4, heartbeat_s=beat_s)
+        shard.register(w, 3, 1, sync, AVG, [key], "d", "none", local_steps=4, heartbeat_s=beat_s)
     shard.init([("w#0", torch.zeros(N))])
     return shard
 
@@ -74,8 +74,7 @@ def test_a_replayed_push_waiting_for_a_later_round_is_not_waited_for():
     """After a restore, a worker's replayed push of a round it had skipped ahead to waits for that round; the round
     open now must not wait for it (quorum = every worker): it closes with the others, then the push goes in. Before,
     each waited for the other until --wait-timeout (300 s) and every replay failed."""
-    shard = _quorum_shard(0.0)
-    shard.rounds.sync = parse_sync("quorum:3")       # Q = all: only counted_live lets round 0 close
+    shard = _quorum_shard(0.0, "quorum:3")           # Q = all: only counted_live lets round 0 close
     shard.wait_timeout_s = 5.0
     ks = shard.keys["w#0"]
     ks.pushed[2] = 1                                 # restored: worker 2 is past round 0 (it skipped ahead)
