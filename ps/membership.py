@@ -55,7 +55,7 @@ class Membership:
                     for ks in self.keys.values():
                         ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
                 self.live.add(worker)
-                self.counters["rejoins"] += 1
+                self.counters.add("rejoins")
                 self.members.notify_all()
                 log.warning("shard %d: worker %d (re)joined the job at step %d; live workers %s", self.shard_id,
                             worker, self.worker_step(worker), sorted(self.live))
@@ -135,7 +135,7 @@ class Membership:
                             ks.version = version
                             self._publish(ks)
                     ks.cond.notify_all()
-            self.counters["evictions"] += 1
+            self.counters.add("evictions")
         log.warning("shard %d: evicted worker %d (%s); live workers now %s", self.shard_id, worker, reason,
                     sorted(self.live))
         with self._barrier_cond:

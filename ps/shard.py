@@ -28,7 +28,7 @@ from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView, answer_key, check_offers
 from ps.request_checks import request_keys, unique_keys, wait_seconds
 from ps.rounds import QuorumRounds, realigned_pull
-from ps.shard_stats import shard_stats
+from ps.shard_stats import Tally, shard_stats
 from ps.state import Job, KeyState, parse_shard_state
 from ps.waits import Waits
 
@@ -67,12 +67,12 @@ class Shard(Membership, Waits):
         self.members = threading.Condition(self.lock)   # notified when a worker joins (ends a pause)
         self._pause_logged = -1e18
         self.restored = False                      # until the first registration after load_state_dict
-        self.step_contributors = Counter()         # bsp: workers averaged per completed key-step -> count
+        self.step_contributors = Tally()           # bsp: workers averaged per completed key-step -> count
         self.codec = "none"
         self.codec_epoch = 0
         self.pull_spec = "none"
-        self.counters = Counter()
-        self.staleness = Counter()
+        self.counters = Tally()
+        self.staleness = Tally()
         self._barriers: dict[str, dict] = {}
         self.in_barrier: set[int] = set()          # workers waiting in a barrier: quorum rounds do not wait for them
         self.ahead: Counter = Counter()            # worker -> its pushes waiting for a later round (nor for them)
@@ -202,7 +202,7 @@ class Shard(Membership, Waits):
             checked.append((ks, g, pulled_versions[i] if pulled_versions else step))
         applied = [self._apply(job, ks, worker, step, g, pulled, inner_steps) for ks, g, pulled in checked]
         dup, versions, landed = (list(col) for col in zip(*applied)) if applied else ([], [], [])
-        self.counters["pushes"] += 1
+        self.counters.add("pushes")
         # the version a PushPull's pull waits for: a worker whose whole push landed late waits to be back in phase
         return dup, versions, realigned_pull(landed) if job.sync.kind == "quorum" else 0
 
@@ -211,16 +211,16 @@ class Shard(Membership, Waits):
             if job.sync.rounds:
                 self._wait_for_step(ks, worker, step)
             if step < ks.pushed.get(worker, 0):
-                self.counters["duplicates"] += 1
+                self.counters.add("duplicates")
                 return True, ks.version, None
             # rounds the gradient or delta missed (quorum: a late delta lands on the open round)
             lag = max(0, (ks.version if job.sync.kind == "quorum" else step) - pulled)
-            self.staleness[lag] += 1
+            self.staleness.add(lag)
             ks.pushed[worker] = step + 1
             if g is None:
-                self.counters["nonfinite_skipped"] += 1
+                self.counters.add("nonfinite_skipped")
             if self.stopped is not None:     # the job's model is the one its target was judged on
-                self.counters["after_stop"] += 1
+                self.counters.add("after_stop")
             elif job.sync.rounds:
                 late_in = ks.version if step < ks.version else None     # the open round a late delta lands in
                 self._contribute(ks, worker, step, g, job.sync.weight(lag, inner_steps, job.local_steps),
@@ -254,7 +254,7 @@ class Shard(Membership, Waits):
             g.add_to(ks.agg, weight)
             ks.opt.note_push(g)      # all-top-k steps are applied lazily (ps/optimizer.py)
         if step < ks.version:
-            self.counters["late_contributions"] += 1
+            self.counters.add("late_contributions")
         if self.rounds is not None:    # share: of a full round's inner steps (SyncMode.share)
             self.rounds.contributed(ks, share)
         ks.agg_from.add(worker)
@@ -267,7 +267,7 @@ class Shard(Membership, Waits):
             return
         if not (self.live <= ks.agg_from if self.rounds is None else self.rounds.due(ks, self.counted_live())):
             return
-        self.step_contributors[len(ks.agg_from)] += 1
+        self.step_contributors.add(len(ks.agg_from))
         if ks.spec.is_buffer:
             buffers.finish(ks)
         else:
@@ -285,9 +285,9 @@ class Shard(Membership, Waits):
         ks.cond.notify_all()
 
     def _count_update(self) -> None:
-        self.counters["grads_applied"] += 1
+        self.counters.add("grads_applied")
         if self.job.local_steps:      # a local-update job's optimizer is its outer optimizer
-            self.counters["outer_updates"] += 1
+            self.counters.add("outer_updates")
 
     @staticmethod
     def _publish(ks: KeyState) -> None:
@@ -326,7 +326,7 @@ class Shard(Membership, Waits):
                         self.touch(worker)
                 out.append((ks.spec.key, *answer_key(ks, have_versions[i] if have_versions else None,
                                                      have_digests[i] if have_digests else b""), ks.version))
-        self.counters["pulls"] += 1
+        self.counters.add("pulls")
         return out, time.monotonic() - t0
 
     # ---- control ---------------------------------------------------------------------------
@@ -380,7 +380,7 @@ class Shard(Membership, Waits):
             if self.job is not None:
                 self._start_rounds()
             self.codec, self.codec_epoch, self.pull_spec = parsed["codec"], parsed["codec_epoch"], parsed["pull_spec"]
-            self.counters, self.staleness = Counter(parsed["counters"]), Counter(parsed["staleness"])
+            self.counters, self.staleness = Tally(parsed["counters"]), Tally(parsed["staleness"])
             self.beat_s, self.stopped = parsed["beat_s"], parsed["stopped"]
             self.last_seen, self.restored = dict.fromkeys(self.live, time.monotonic()), True
         self.resume_heartbeats()
