@@ -179,6 +179,11 @@ def bitunpack(buf: np.ndarray, m: int, bits: int) -> np.ndarray:
     """Inverse of bitpack: m values (uint64) from a uint8 stream of packed_nbytes(m, bits) bytes."""
     if m == 0:
         return np.zeros(0, np.uint64)
+    if 8 % bits == 0:    # codes within bytes (lowrank's, chunktopk's 2/4/8 bits): one uint8 pass, not five uint64 arrays
+        per = 8 // bits
+        shifts = np.arange(0, 8, bits, dtype=np.uint8)
+        codes = (buf[:-(-m // per)][:, None] >> shifts) & np.uint8((1 << bits) - 1)
+        return codes.reshape(-1)[:m].astype(np.uint64)
     words = np.zeros(-(-(m * bits) // 64) + 1, dtype="<u8")
     words.view(np.uint8)[:buf.size] = buf
     p = np.arange(m, dtype=np.uint64) * np.uint64(bits)

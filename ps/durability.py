@@ -151,7 +151,7 @@ class Checkpointer:
             path = write_checkpoint(self.directory, self.shard.shard_id, state, keep=self.keep)
             self.shard.durable_hist.append(durable_steps(state))
             self.shard.checkpoint_version = self._last_version = min_version(state)
-            self.shard.counters["checkpoints"] += 1
+            self.shard.counters.add("checkpoints")
             self._last_t, self._last_mark = time.monotonic(), mark
             log.info("shard %d: checkpoint %s (%s, min version %d, %.0f ms)", self.shard.shard_id, path, reason,
                      self._last_version, (time.perf_counter() - t0) * 1e3)

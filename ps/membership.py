@@ -13,7 +13,7 @@ from deltaps.errors import PAUSED, ShardError
 from deltaps.pull_codec import resolve_pull_codec
 from deltaps.sync import parse_sync
 from ps.reaper import reaper_tick, start_reaper
-from ps.request_checks import check_world_size, unique_keys, wait_seconds
+from ps.request_checks import check_world_size, unique_keys
 
 log = logging.getLogger("deltaps.shard")
 
@@ -41,17 +41,21 @@ class Membership:
     def _admit(self, worker: int) -> None:
         """(Re)join `worker` at the current version (self.lock held). A worker not live has its pushed count on
         each key raised to at least the key's version, so it is never "behind" and its next step is
-        worker_step(). A live one re-registering (its connection dropped) keeps its counts: under --sync quorum
-        its late delta, still to be re-sent, must fold into the next round, not be taken for a duplicate."""
+        worker_step(). Under --sync quorum every re-registering worker keeps its counts, live (its connection
+        dropped) or evicted (by mistake, its delta in flight): that late delta, still to be re-sent, must fold into
+        the next round, not be taken for a duplicate."""
         store = getattr(self, "embedding", None)   # row-sparse tables (ps/embedding/): rejoin them too
         if store is not None:
             store.admit(worker)
         with self._all_keys_locked():
             if worker not in self.live:
-                for ks in self.keys.values():
-                    ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
+                # under quorum the counts stay (worker_step starts a joiner at the version all the same): a worker
+                # evicted while its round's delta was in flight re-sends it, and it folds in late, not as a duplicate
+                if self.job is None or self.job.sync.kind != "quorum":
+                    for ks in self.keys.values():
+                        ks.pushed[worker] = max(ks.pushed.get(worker, 0), ks.version)
                 self.live.add(worker)
-                self.counters["rejoins"] += 1
+                self.counters.add("rejoins")
                 self.members.notify_all()
                 log.warning("shard %d: worker %d (re)joined the job at step %d; live workers %s", self.shard_id,
                             worker, self.worker_step(worker), sorted(self.live))
@@ -90,7 +94,10 @@ class Membership:
         return mode, pull_spec
 
     def worker_step(self, worker: int) -> int:
-        """The step this worker pushes next on this shard (min over keys); a (re)joining worker starts here."""
+        """The step this worker pushes next on this shard (min over keys); a (re)joining worker starts here. Under
+        quorum a worker may skip to the open round (ps/rounds.py), so it starts at most there."""
+        if self.job is not None and self.job.sync.kind == "quorum":
+            return min((max(ks.pushed.get(worker, 0), ks.version) for ks in self.keys.values()), default=0)
         return min((ks.pushed.get(worker, 0) for ks in self.keys.values()), default=0)
 
     def durable_step(self, worker: int) -> int:
@@ -128,7 +135,7 @@ class Membership:
                             ks.version = version
                             self._publish(ks)
                     ks.cond.notify_all()
-            self.counters["evictions"] += 1
+            self.counters.add("evictions")
         log.warning("shard %d: evicted worker %d (%s); live workers now %s", self.shard_id, worker, reason,
                     sorted(self.live))
         with self._barrier_cond:
@@ -204,6 +211,13 @@ class Membership:
             del self.attending[worker]
         return not self.shutting_down and self.evict(worker, "its Attend stream closed: the worker is gone")
 
+    def resume_heartbeats(self) -> None:
+        """After a restore: the reaper watches the heartbeats the checkpoint recorded, so a worker that died while the
+        shard was down goes after ABSENT_BEATS of them, not after --worker-timeout (rounds wait for it till then)."""
+        beats = [s for s in self.beat_s.values() if s > 0]
+        if beats:
+            self.start_reaper(ABSENT_BEATS * min(beats))
+
     def expect_heartbeats(self, worker: int, beat_s: float) -> None:
         """Register (checked there): `worker` heartbeats every beat_s (0: it does not; --worker-timeout alone applies)."""
         self.beat_s[worker] = beat_s
@@ -226,50 +240,6 @@ class Membership:
                 raise ShardError("FAILED_PRECONDITION",
                                  f"worker {worker} disagrees with the running job on {what}: "
                                  f"job has {mine}, worker sent {theirs}")
-
-    # ---- barriers: every live worker arrives (an eviction releases the others) ------------------
-    def barrier(self, worker: int, name: str, timeout_s: float = 0.0, alive=None) -> float:
-        """Wait until every live worker arrived at barrier `name`. Meanwhile the worker pushes nothing: quorum
-        rounds stop counting on it (ps/rounds.py), so the last worker still training is never stuck on it."""
-        self.require_job()
-        self.touch(worker)
-        with self._barrier_cond:
-            self.in_barrier.add(worker)
-        try:
-            if self.rounds is not None:
-                self._close_due_rounds()
-            return self._wait_barrier(worker, name, timeout_s, alive)
-        finally:
-            with self._barrier_cond:
-                self.in_barrier.discard(worker)
-
-    def _close_due_rounds(self) -> None:
-        for ks in list(self.keys.values()):
-            with ks.cond:
-                self._maybe_complete_step(ks)
-
-    def _wait_barrier(self, worker: int, name: str, timeout_s: float, alive) -> float:
-        timeout = wait_seconds(timeout_s, self.wait_timeout_s)
-        t0 = time.monotonic()
-        with self._barrier_cond:
-            b = self._barriers.setdefault(name, {"gen": 0, "arrived": set()})
-            gen = b["gen"]
-            b["arrived"].add(worker)
-            if self.live <= b["arrived"]:
-                b["gen"] += 1
-                b["arrived"] = set()
-                self._barrier_cond.notify_all()
-            while b["gen"] == gen:
-                left = t0 + timeout - time.monotonic()
-                if left <= 0:
-                    b["arrived"].discard(worker)
-                    raise ShardError("DEADLINE_EXCEEDED", f"barrier {name!r} timed out after {timeout:.1f}s")
-                self._barrier_cond.wait(min(left, 0.5))
-                if alive is not None and not alive():
-                    b["arrived"].discard(worker)
-                    raise ShardError("CANCELLED", "the client waiting in the barrier went away")
-                self.touch(worker)
-        return time.monotonic() - t0
 
     def stop(self, worker: int, step: int, time_s: float, reason: str = "") -> bool:
         """A worker stopped the job (--sync quorum: its evaluation reached the target). Pulls waiting for a round

@@ -11,7 +11,8 @@ or G seconds with `grace=Gs`.
 A delta pushed for an older round (a straggler's, or one that missed its round's close) is *late*: it folds into
 the open round instead of being dropped, and counts toward its quorum. A round that cannot reach its quorum (more
 dead workers than Q allows, not yet evicted by --worker-timeout) closes with what it has once it has been open
-STARVED x the recent open-to-quorum span (at least STARVED_MIN_S and twice the grace window).
+STARVED x the recent open-to-quorum span (at least STARVED_MIN_S and twice the grace window), and a span (at least
+STARVED_MIN_S) has passed since its first contribution.
 Every contribution has the same weight: each covers H inner steps of the same batch
 size, i.e. the same samples; the mean is over contributions (late=discount: a late one's is 1 / (1 + staleness);
 inner=adaptive: a slow worker's delta covering fewer inner steps weighs that share of H, and the quorum counts
@@ -84,8 +85,11 @@ class QuorumRounds:
             self.skewed.add(key)
         self.shares[key] = self.shares.get(key, 0.0) + share
         if len(ks.agg_from) == 0 and self.spans.get(key):
-            wait = max(STARVED * statistics.median(self.spans[key]), STARVED_MIN_S, 2 * self.grace_s(key))
-            self.starve_at[key] = self.opened_at[key] + wait
+            span = statistics.median(self.spans[key])
+            wait = max(STARVED * span, STARVED_MIN_S, 2 * self.grace_s(key))
+            # and at least a span after this first delta: after a pause that held every worker (elastic, a long
+            # evaluation) the round opened long ago, and would close at once on one delta with the others alive
+            self.starve_at[key] = max(self.opened_at[key] + wait, time.monotonic() + max(span, STARVED_MIN_S))
             self._timer(max(0.0, self.starve_at[key] - time.monotonic()), ks, self.starve_at)
 
     def due(self, ks: KeyState, live: set[int]) -> bool:

@@ -138,7 +138,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
             g, n = unpack_chunk(c)
             grads.append((c.key, g))
             nbytes += n
-        self.shard.counters["bytes_received"] += nbytes
+        self.shard.counters.add("bytes_received", nbytes)
         left = context.time_remaining()        # None: the caller set no deadline
         dup, versions, realign = self.shard.push(req.worker_id, req.step, grads, list(req.pulled_versions),
                                                  req.inner_steps, None if left is None else max(0.0, left - ANSWER_MARGIN_S))
@@ -162,7 +162,7 @@ class ParameterServerServicer(rpc.ParameterServerServicer):
                 nbytes += fill_chunk(c, k, obj)
             else:
                 c.key = k
-        self.shard.counters["bytes_sent"] += nbytes
+        self.shard.counters.add("bytes_sent", nbytes)
         rep.versions.extend(v for *_, v in items)
         rep.kinds.extend(i[1] for i in items)
         rep.waited_s, rep.server_id = waited, self.shard.server_id

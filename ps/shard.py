@@ -28,15 +28,16 @@ from ps.optimizer import KeyOptimizer
 from ps.pull_views import PullView, answer_key, check_offers
 from ps.request_checks import request_keys, unique_keys, wait_seconds
 from ps.rounds import QuorumRounds, realigned_pull
-from ps.shard_stats import shard_stats
+from ps.shard_stats import Tally, shard_stats
 from ps.state import Job, KeyState, parse_shard_state
+from ps.waits import Waits
 
 log = logging.getLogger("deltaps.shard")
 
 NONFINITE_POLICIES = ("reject", "skip")
 
 
-class Shard(Membership):
+class Shard(Membership, Waits):
     def __init__(self, shard_id: int, num_shards: int, wait_timeout_s: float = 300.0, *,
                  worker_timeout_s: float = 0.0, nonfinite: str = "reject"):
         if nonfinite not in NONFINITE_POLICIES:
@@ -66,14 +67,15 @@ class Shard(Membership):
         self.members = threading.Condition(self.lock)   # notified when a worker joins (ends a pause)
         self._pause_logged = -1e18
         self.restored = False                      # until the first registration after load_state_dict
-        self.step_contributors = Counter()         # bsp: workers averaged per completed key-step -> count
+        self.step_contributors = Tally()           # bsp: workers averaged per completed key-step -> count
         self.codec = "none"
         self.codec_epoch = 0
         self.pull_spec = "none"
-        self.counters = Counter()
-        self.staleness = Counter()
+        self.counters = Tally()
+        self.staleness = Tally()
         self._barriers: dict[str, dict] = {}
         self.in_barrier: set[int] = set()          # workers waiting in a barrier: quorum rounds do not wait for them
+        self.ahead: Counter = Counter()            # worker -> its pushes waiting for a later round (nor for them)
         self._barrier_cond = threading.Condition()
 
     # ---- membership -------------------------------------------------------------------------
@@ -200,7 +202,7 @@ class Shard(Membership):
             checked.append((ks, g, pulled_versions[i] if pulled_versions else step))
         applied = [self._apply(job, ks, worker, step, g, pulled, inner_steps) for ks, g, pulled in checked]
         dup, versions, landed = (list(col) for col in zip(*applied)) if applied else ([], [], [])
-        self.counters["pushes"] += 1
+        self.counters.add("pushes")
         # the version a PushPull's pull waits for: a worker whose whole push landed late waits to be back in phase
         return dup, versions, realigned_pull(landed) if job.sync.kind == "quorum" else 0
 
@@ -209,16 +211,16 @@ class Shard(Membership):
             if job.sync.rounds:
                 self._wait_for_step(ks, worker, step)
             if step < ks.pushed.get(worker, 0):
-                self.counters["duplicates"] += 1
+                self.counters.add("duplicates")
                 return True, ks.version, None
             # rounds the gradient or delta missed (quorum: a late delta lands on the open round)
             lag = max(0, (ks.version if job.sync.kind == "quorum" else step) - pulled)
-            self.staleness[lag] += 1
+            self.staleness.add(lag)
             ks.pushed[worker] = step + 1
             if g is None:
-                self.counters["nonfinite_skipped"] += 1
+                self.counters.add("nonfinite_skipped")
             if self.stopped is not None:     # the job's model is the one its target was judged on
-                self.counters["after_stop"] += 1
+                self.counters.add("after_stop")
             elif job.sync.rounds:
                 late_in = ks.version if step < ks.version else None     # the open round a late delta lands in
                 self._contribute(ks, worker, step, g, job.sync.weight(lag, inner_steps, job.local_steps),
@@ -252,33 +254,20 @@ class Shard(Membership):
             g.add_to(ks.agg, weight)
             ks.opt.note_push(g)      # all-top-k steps are applied lazily (ps/optimizer.py)
         if step < ks.version:
-            self.counters["late_contributions"] += 1
+            self.counters.add("late_contributions")
         if self.rounds is not None:    # share: of a full round's inner steps (SyncMode.share)
             self.rounds.contributed(ks, share)
         ks.agg_from.add(worker)
         ks.agg_weight += weight
         self._maybe_complete_step(ks)
 
-    def _wait_for_step(self, ks: KeyState, worker: int, step: int) -> None:
-        """bsp: a push of step s is aggregated only once the key finished step s-1 (ks.cond held). Normal
-        training never waits here (a worker pulls version s before pushing step s); a replay after a shard
-        restart does, so one worker's replayed step s+1 never mixes into step s's aggregation."""
-        deadline = time.monotonic() + self.wait_timeout_s
-        while ks.version < step and ks.pushed.get(worker, 0) <= step:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ShardError("DEADLINE_EXCEEDED", f"key {ks.spec.key!r}: push of step {step} by worker {worker} "
-                                                      f"waited {self.wait_timeout_s:.1f}s for step {ks.version}")
-            ks.cond.wait(min(left, 0.5))
-            self.touch(worker)
-
     def _maybe_complete_step(self, ks: KeyState) -> None:
         """Apply the open round of `ks` if it is complete: bsp, every live worker pushed; quorum, ps/rounds.py."""
         if not ks.agg_from or self.paused:
             return
-        if not (self.live <= ks.agg_from if self.rounds is None else self.rounds.due(ks, self.live - self.in_barrier)):
+        if not (self.live <= ks.agg_from if self.rounds is None else self.rounds.due(ks, self.counted_live())):
             return
-        self.step_contributors[len(ks.agg_from)] += 1
+        self.step_contributors.add(len(ks.agg_from))
         if ks.spec.is_buffer:
             buffers.finish(ks)
         else:
@@ -296,9 +285,9 @@ class Shard(Membership):
         ks.cond.notify_all()
 
     def _count_update(self) -> None:
-        self.counters["grads_applied"] += 1
+        self.counters.add("grads_applied")
         if self.job.local_steps:      # a local-update job's optimizer is its outer optimizer
-            self.counters["outer_updates"] += 1
+            self.counters.add("outer_updates")
 
     @staticmethod
     def _publish(ks: KeyState) -> None:
@@ -337,7 +326,7 @@ class Shard(Membership):
                         self.touch(worker)
                 out.append((ks.spec.key, *answer_key(ks, have_versions[i] if have_versions else None,
                                                      have_digests[i] if have_digests else b""), ks.version))
-        self.counters["pulls"] += 1
+        self.counters.add("pulls")
         return out, time.monotonic() - t0
 
     # ---- control ---------------------------------------------------------------------------
@@ -374,6 +363,9 @@ class Shard(Membership):
                 "live": sorted(self.live), "keys": {name: ks.state_dict() for name, ks in self.keys.items()},
                 "counters": {k: int(v) for k, v in self.counters.items()},
                 "staleness": {int(k): int(v) for k, v in self.staleness.items()},
+                # a restored shard evicts a worker that died meanwhile after its heartbeats, not --worker-timeout
+                "beat_s": {int(w): float(s) for w, s in self.beat_s.items()},
+                "stopped": None if self.stopped is None else dict(self.stopped),   # the job stays stopped
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -388,13 +380,10 @@ class Shard(Membership):
             if self.job is not None:
                 self._start_rounds()
             self.codec, self.codec_epoch, self.pull_spec = parsed["codec"], parsed["codec_epoch"], parsed["pull_spec"]
-            self.counters.clear()
-            self.counters.update(parsed["counters"])
-            self.staleness.clear()
-            self.staleness.update(parsed["staleness"])
-            now = time.monotonic()
-            self.last_seen = {w: now for w in self.live}
-            self.restored = True
+            self.counters, self.staleness = Tally(parsed["counters"]), Tally(parsed["staleness"])
+            self.beat_s, self.stopped = parsed["beat_s"], parsed["stopped"]
+            self.last_seen, self.restored = dict.fromkeys(self.live, time.monotonic()), True
+        self.resume_heartbeats()
 
     def stats(self) -> dict:
         return shard_stats(self)

@@ -1,6 +1,22 @@
 """A shard's counters and state as the Stats RPC reports them (one dict; StatsResponse's fields)."""
 from __future__ import annotations
 
+import threading
+from collections import Counter
+
+
+class Tally(Counter):
+    """A Counter many server threads add to (a shard's counters, staleness and contributor tallies): `add` is one
+    locked read-modify-write, where `c[k] += 1` from two threads can lose one of the increments."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+
+    def add(self, key, n: int = 1) -> None:
+        with self._lock:
+            self[key] += n
+
 
 def shard_stats(shard) -> dict:
     versions = [ks.version for ks in shard.keys.values()] or [0]

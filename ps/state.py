@@ -120,4 +120,6 @@ def parse_shard_state(state: dict, shard_id: int, num_shards: int) -> dict:
             "keys": {name: KeyState.from_state_dict(k, opt, pull_spec) for name, k in state["keys"].items()},
             "live": {int(w) for w in state["live"]},
             "counters": {k: int(v) for k, v in state["counters"].items()},
-            "staleness": {int(k): int(v) for k, v in state["staleness"].items()}}
+            "staleness": {int(k): int(v) for k, v in state["staleness"].items()},
+            "beat_s": {int(w): float(s) for w, s in state.get("beat_s", {}).items()},       # older checkpoints: none
+            "stopped": None if state.get("stopped") is None else dict(state["stopped"])}
