@@ -82,7 +82,8 @@ class DGCCodec(SparseCodec):
         idx = topk_indices(st.v, k, seed)
         payload = self._encode(tensor, idx, st.v, {})
         # what went out is v rounded to the tensor's dtype: a bf16 / fp16 gradient's rounding stays in v, not lost
-        st.v[idx] = st.v[idx] - st.v[idx].to(tensor.dtype).to(st.v.dtype)
+        sent = st.v[idx]
+        st.v[idx] = sent - sent.to(tensor.dtype).to(sent.dtype)
         st.u[idx] = 0
         st.steps += 1
         return payload

@@ -62,12 +62,11 @@ def merge(runs: list[dict]) -> dict:
     for key in ("time_to_target_s", "steps_to_target"):
         reached = [r.get(key) for r in runs if r.get(key) is not None]
         out[key] = _median(key, reached) if len(reached) == len(runs) else None
-        out[key.removesuffix("_s") + "_range" + ("_s" if key.endswith("_s") else "")] = (
-            [min(reached), max(reached)] if reached else None)
+        out[_named(key, "range")] = [min(reached), max(reached)] if reached else None
         # what every seed measured, the cap's verdict aside (bench_protocol.apply_time_cap)
-        measured = [r.get(key) if r.get(key) is not None else r.get(_uncapped(key)) for r in runs]
-        if any(_uncapped(key) in r for r in runs):
-            out[_uncapped(key)] = _median(key, measured) if all(_number(v) for v in measured) else None
+        measured = [r.get(key) if r.get(key) is not None else r.get(_named(key, "uncapped")) for r in runs]
+        if any(_named(key, "uncapped") in r for r in runs):
+            out[_named(key, "uncapped")] = _median(key, measured) if all(_number(v) for v in measured) else None
     capped = [r for r in runs if r.get("capped")]
     out.pop("capped", None)
     if capped:
@@ -76,8 +75,9 @@ def merge(runs: list[dict]) -> dict:
     return out
 
 
-def _uncapped(key: str) -> str:
-    return key.removesuffix("_s") + "_uncapped" + ("_s" if key.endswith("_s") else "")
+def _named(key: str, part: str) -> str:
+    """time_to_target_s -> time_to_target_<part>_s, steps_to_target -> steps_to_target_<part>."""
+    return key.removesuffix("_s") + f"_{part}" + ("_s" if key.endswith("_s") else "")
 
 
 def range_text(m: dict) -> str:
