@@ -109,6 +109,11 @@ class TrainConfig:
         0.0,
         "--mode torchft: torchft's Manager, quorum and gloo timeout in seconds (how long a round waits for a dead "
         "replica); 0 = --timeout")
+    torchft_first_quorum: bool = option(
+        False,
+        "--mode torchft: meet every replica at a quorum before the first step (torchft's Lighthouse and gloo set-up "
+        "off the clock, as DDP's ranks meet at its constructor's broadcast); for a job's first start only: a replica "
+        "restarted into a running job with it heals there and misses the collective the others run next")
     torchft_wire: str = option(
         "fp32",
         "--mode torchft diloco: the dtype the pseudo-gradients are allreduced in: fp32, fp16 or bf16 (cast before "

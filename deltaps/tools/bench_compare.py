@@ -25,9 +25,8 @@ import time
 
 from deltaps.config import DEVICES, save_config
 from deltaps.strategies import parse_mode_spec, split_mode_specs
-from deltaps.tools import bench_faults, bench_figures, bench_plot, bench_protocol, bench_report, cpu_roles, netns
+from deltaps.tools import bench_faults, bench_figures, bench_plot, bench_protocol, bench_report, bench_seeds, cpu_roles, netns
 from deltaps.tools.bench_nodes import Nodes, cpu_figures, topology_nodes
-from deltaps.tools.bench_seeds import merge
 from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
 from deltaps.tools.launch import free_port, start_lighthouse, wait_port_file, workers_failed
 from deltaps.tools.process_tree import stop_processes
@@ -180,16 +179,18 @@ def run_mode(spec: str, base: dict, args, net: Nodes, tmp: str, cap_s: float | N
             target = ["--master-addr", net.addr(worker_nodes[0]), "--master-port", str(port)]
         before, cpu_before = net.counters(worker_nodes), net.cpu(worker_nodes)
 
-        def launch(r: int) -> subprocess.Popen:
+        def launch(r: int, first_start: bool = False) -> subprocess.Popen:     # a restart (bench_faults) is not
             node = worker_nodes[r]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname(node)}
             files = ["--config", cfg_path, "--result-json", os.path.join(d, f"worker{r}.json"), "--no-progress"]
             log = os.path.join(d, f"worker{r}.log")      # appended: a restarted worker's log follows its first
             if elastic:
                 return bench_faults.start_torchrun_worker(net, node, W, rendezvous, r == 0, files, log, env)
-            return net.spawn(node, ["worker", *target, "--rank", str(r), "--world-size", str(W), *files], log, env,
-                             append=True)
-        workers.extend(launch(r) for r in range(W))
+            # torchft's replicas meet before their clocks start on a job's first start (a restarted one heals at a sync)
+            first = ["--torchft-first-quorum"] if first_start and cfg.mode == "torchft" else []
+            return net.spawn(node, ["worker", *target, "--rank", str(r), "--world-size", str(W), *files, *first], log,
+                             env, append=True)
+        workers.extend(launch(r, first_start=True) for r in range(W))
         if slow:
             slowing = bench_faults.CapOnceTraining(net.caps, worker_nodes[slow[0]], slow[1],
                                                    eval_log.replace("{rank}", str(slow[0])))
@@ -312,16 +313,16 @@ def compare(args) -> dict:
         print(bench_report.header(report), flush=True)
         runs: dict[str, list[dict]] = {spec: [] for spec in specs}
         healthy: dict[str, list[dict]] = {spec: [] for spec in specs}     # --straggler / --kill: the same, no faults
-        # with a time cap the peers run first in each seed: their best time to target sets the cap
-        order = sorted(specs, key=lambda s: not bench_report.is_peer(s)) if args.time_cap else specs
-        for seed, spec, (variant, faults, kills) in ((seed, spec, v) for seed in report["seeds"] for spec in order
-                                                     for v in bench_faults.variants(args)):
+        # the order turns round every other seed; with a time cap the peers' best time to target sets it
+        runs_of = ((i, seed, spec, v) for i, seed in enumerate(report["seeds"])
+                   for spec in bench_seeds.run_order(specs, i, bool(args.time_cap), bench_report.is_peer)
+                   for v in bench_faults.variants(args))
+        for i, seed, spec, (variant, faults, kills) in runs_of:
             store = healthy if variant == "healthy" else runs
             print(f"-- running {spec}{f' (seed {seed})' if args.seeds > 1 else ''}"
                   f"{f' {variant}' if variant else ''} ...", flush=True)
-            cap_s = None if bench_report.is_peer(spec) else bench_protocol.cap_seconds(
-                [r[-1] for k, r in store.items() if bench_report.is_peer(k) and r and r[-1]["seed"] == seed],
-                args.time_cap)
+            cap_s = None if bench_report.is_peer(spec) else bench_seeds.live_cap(
+                store, report["seeds"], i, args.time_cap, bench_report.is_peer)
             try:
                 h = healthy[spec][-1] if healthy[spec] else {}
                 kills = [k.resolved(h.get("time_to_target_s")) for k in kills]    # P% of the healthy run
@@ -351,9 +352,10 @@ def compare(args) -> dict:
                     bench_protocol.apply_time_cap(m, cap_s, args.time_cap)
                 if args.eval_every:
                     bench_protocol.add_metric_at_common_step(race, bench_report.metric_of(report), args.common_step)
-        report["modes"] = {spec: merge(r) if args.seeds > 1 else r[0] for spec, r in runs.items()}
+        report["modes"] = {spec: bench_seeds.merge(r) if args.seeds > 1 else r[0] for spec, r in runs.items()}
         if healthy[specs[0]]:
-            bench_faults.add_goodput(report, {spec: merge(r) if args.seeds > 1 else r[0] for spec, r in healthy.items()})
+            bench_faults.add_goodput(report, {spec: bench_seeds.merge(r) if args.seeds > 1 else r[0]
+                                              for spec, r in healthy.items()})
     finally:
         net.close()
         if caps:

@@ -1,6 +1,7 @@
 """`deltaps bench compare --seeds N`: every mode runs once per seed (model init and data order) in the same
 invocation, seed-major (all modes for the first seed, then the next: a drift of the host hits every mode alike),
-and a mode's figures are the medians over its seeds. Time to target: the median when every seed reached the
+in an order that turns round every other seed (`run_order`: no mode always runs first or last in a seed), and a
+mode's figures are the medians over its seeds. Time to target: the median when every seed reached the
 target, else null ("not reached" — never a median of the seeds that happened to reach it), with the range
 (min, max) of the seeds that did; the speed-ups are then ratios of medians. The metric at the common step
 (bench_protocol) likewise: the median when every seed has one, else null. A seed the time cap stopped before it
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import statistics
 
+from deltaps.tools.bench_protocol import cap_seconds
+
 PER_SEED = ("seed", "time_to_target_s", "steps_to_target", "median_step_s", "final_test_accuracy", "steps",
             "common_step", "metric_at_common_step", "bytes_per_round_fraction", "capped")
 PER_SEED_WHERE_RUN = ("final_test_auc", "shard_rows_held", "worker_peak_rss_bytes",     # ctr runs have these
@@ -18,6 +21,30 @@ PER_SEED_WHERE_RUN = ("final_test_auc", "shard_rows_held", "worker_peak_rss_byte
                       "cpu_cores_in_training", "start_skew_s", "rounds",                   # every finished run
                       "payload_energy_share")                                              # local-update runs
 EVERY_SEED_OR_NULL = ("metric_at_common_step", "common_step_evaluated_at", "bytes_per_round_fraction")
+
+
+LIVE_CAP_MARGIN = 1.25     # a seed's modes that run before its peers stop at this x the previous seed's cap
+
+
+def run_order(specs: list[str], index: int, capped: bool, is_peer) -> list[str]:
+    """The order the modes run in for the index-th seed: as given on even seeds, reversed on odd ones. With a time cap
+    the peers, whose best time sets it, come first on even seeds and last on odd ones."""
+    if capped:
+        peers, ours = [s for s in specs if is_peer(s)], [s for s in specs if not is_peer(s)]
+        return peers + ours if index % 2 == 0 else ours[::-1] + peers[::-1]
+    return list(specs) if index % 2 == 0 else list(specs)[::-1]
+
+
+def live_cap(store: dict[str, list[dict]], seeds: list, index: int, factor: float | None, is_peer) -> float | None:
+    """The cap the index-th seed's next deltaps run stops at: its seed's (the peers ran first), else LIVE_CAP_MARGIN x
+    the previous seed's (the seed's own cap is applied afterwards, bench_protocol.apply_time_cap: a mode stopped at
+    the wider live cap is past the seed's own too, unless the peers ran 25 % slower in this seed)."""
+    def seed_cap(seed) -> float | None:
+        return cap_seconds([m for k, r in store.items() if is_peer(k) for m in r if m["seed"] == seed], factor)
+    own = seed_cap(seeds[index])
+    if own is not None or index == 0 or (previous := seed_cap(seeds[index - 1])) is None:
+        return own
+    return LIVE_CAP_MARGIN * previous
 
 
 def _number(v) -> bool:

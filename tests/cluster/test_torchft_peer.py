@@ -119,3 +119,16 @@ def test_deltaps_lighthouse_serves_torchfts_lighthouse_until_sigterm(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "deltaps", "lighthouse", "--bind", "127.0.0.1:0", "--min-replicas", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--min-replicas must be >= 1, got 0" in bad.stderr
+
+
+def test_a_first_quorum_before_the_clock_changes_no_bit_and_takes_the_set_up_off_the_first_sync(tmp_path, job_runs):
+    # --torchft-first-quorum (the bench's first start): the Lighthouse's quorum and the gloo group's set-up happen
+    # before step 0, so the first sync costs what the later ones do; the quorum is no sync and heals nothing
+    (plain, plain_model) = job_runs["torchft"]
+    first, first_model = _run(tmp_path, mode="torchft", torchft_first_quorum=True)
+    assert max((first_model[k] - plain_model[k]).abs().max().item() for k in plain_model) == 0.0
+    assert first["per_worker"][0]["syncs"] == 6 and first["per_worker"][0]["steps_trained"] == JOB["steps"]
+    syncs = {r is first: r["per_worker"][0]["sync_blocked_s"] for r in (plain, first)}
+    print("each sync's seconds, without / with the first quorum:", syncs[False], syncs[True])
+    later = sorted(syncs[True][1:])
+    assert syncs[True][0] < 3 * later[len(later) // 2], syncs[True]

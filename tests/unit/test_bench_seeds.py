@@ -70,3 +70,33 @@ def test_even_seed_counts_give_evaluated_steps_and_missing_numbers_are_null():
     m = merge([a, b])
     assert m["steps_to_target"] == 336 and m["time_to_target_s"] == 5.0   # a step some seed evaluated
     assert m["start_skew_s"] is None
+
+
+def test_the_run_order_turns_round_every_other_seed_with_the_peers_first_when_they_set_the_cap():
+    from deltaps.tools.bench_report import is_peer
+    from deltaps.tools.bench_seeds import run_order
+    specs = ["torchft:diloco:sync=32", "ps-local32:int8", "ddp", "ps-local32:lowbit:bits=2"]
+    assert run_order(specs, 0, False, is_peer) == specs
+    assert run_order(specs, 1, False, is_peer) == specs[::-1]
+    assert run_order(specs, 0, True, is_peer) == ["torchft:diloco:sync=32", "ddp", "ps-local32:int8",
+                                                  "ps-local32:lowbit:bits=2"]
+    assert run_order(specs, 1, True, is_peer) == ["ps-local32:lowbit:bits=2", "ps-local32:int8", "ddp",
+                                                  "torchft:diloco:sync=32"]
+    assert run_order(specs, 2, True, is_peer) == run_order(specs, 0, True, is_peer)
+    for i in range(4):     # every mode once per seed
+        assert sorted(run_order(specs, i, i % 3 == 0, is_peer)) == sorted(specs)
+
+
+def test_a_mode_that_runs_before_its_seeds_peers_stops_at_a_wider_cap_from_the_previous_seed():
+    from deltaps.tools.bench_report import is_peer
+    from deltaps.tools.bench_seeds import LIVE_CAP_MARGIN, live_cap
+    peer = "torchft:diloco:sync=32"
+    store = {peer: [{"seed": 10, "time_to_target_s": 4.0}, {"seed": 11, "time_to_target_s": 5.0}],
+             "ddp": [{"seed": 10, "time_to_target_s": 3.0}, {"seed": 11, "time_to_target_s": None}],
+             "ps-local32:int8": [{"seed": 10, "time_to_target_s": 1.0}]}      # not a peer: sets no cap
+    seeds = [10, 11, 12]
+    assert live_cap(store, seeds, 1, 3.0, is_peer) == 3.0 * 5.0           # the peers ran first: the seed's own cap
+    assert live_cap(store, seeds, 2, 3.0, is_peer) == LIVE_CAP_MARGIN * 3.0 * 5.0   # after: the previous, widened
+    assert live_cap({peer: []}, seeds, 1, 3.0, is_peer) is None          # no peer reached: no cap
+    assert live_cap(store, seeds, 0, None, is_peer) is None              # no --time-cap
+    assert live_cap({peer: [{"seed": 11, "time_to_target_s": 5.0}]}, seeds, 0, 3.0, is_peer) is None   # seed 10

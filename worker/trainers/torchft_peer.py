@@ -16,9 +16,11 @@ subclass that keeps the pseudo-gradients it allreduces in that dtype and hands t
 in the parameters' dtype (the sum over the ring is then done in that dtype too).
 
 Timing: a step's blocked time is what torchft's sync hook took after the inner optimizer step (quorum,
-allreduce, outer step). Bytes: the ring figure 2(W-1)/W of what a sync allreduces (the fragment's fp32
-pseudo-gradient; LocalSGD: the parameters). Evaluation: the global model (each fragment's parameters as of
-its last sync, the same on every replica), at the first step after a sync.
+allreduce, outer step); with --torchft-first-quorum the replicas meet at a quorum before the clock starts (the
+Lighthouse's quorum and the gloo group's set-up then off it, as DDP's constructor's broadcast is). Bytes: the
+ring figure 2(W-1)/W of what a sync allreduces (the fragment's fp32 pseudo-gradient; LocalSGD: the parameters).
+Evaluation: the global model (each fragment's parameters as of its last sync, the same on every replica), at the
+first step after a sync.
 """
 from __future__ import annotations
 
@@ -183,7 +185,27 @@ class TorchFT(Strategy):
             if cfg.torchft_wire != "fp32":
                 wire_cast_fragments(self.synchronizer, WIRE_TORCH_DTYPES[cfg.torchft_wire])
         self.synchronizer.__enter__()
-        self.sent, self._synced, self._t_inner = 0, False, 0.0
+        self.sent, self._synced, self._t_inner, self._first = 0, False, 0.0, 0
+        self.sync_blocked_s: list[float] = []     # each sync's time on the clock (the first: set-up, unless begin's)
+
+    def begin(self, run) -> None:
+        # --torchft-first-quorum: torchft's first quorum (the Lighthouse's, then the gloo group's rendezvous of every
+        # replica) before the clock starts, as DDP's ranks meet at its constructor's broadcast: a sync's time on the
+        # clock is then the round's, not the job's start-up (the bench sets it on a job's first start only)
+        if not self.cfg.torchft_first_quorum:
+            return        # the first sync's quorum sets torchft up, on the clock (a restarted replica heals there)
+        self.manager.start_quorum()
+        self._first = self._job_step()
+        if self._first:
+            log.warning("rank %d healed before its first step: the job is at step %d", self.ctx.rank, self._first)
+
+    @property
+    def first_step(self) -> int:
+        return self._first
+
+    def _job_step(self) -> int:
+        """The job's inner step as torchft's step (syncs so far) says: H / F inner steps per sync."""
+        return self.manager.current_step() * max(1, self.cfg.local_steps // len(self.parts))
 
     def _inner_step_done(self, *_) -> None:
         self._t_inner = time.perf_counter()
@@ -199,6 +221,7 @@ class TorchFT(Strategy):
         self._synced = self.manager.current_step() != syncs
         wire = 0
         if self._synced:
+            self.sync_blocked_s.append(round(blocked, 6))
             self._catch_up(run, step)
             part = self.parts[(syncs % len(self.parts))] if len(self.parts) > 1 else self.parts[0]
             width = WIRE_TORCH_DTYPES[self.cfg.torchft_wire].itemsize     # fp32 for localsgd (validated)
@@ -210,8 +233,7 @@ class TorchFT(Strategy):
         """A replica restarted mid-job heals from a live one at its first sync: torchft's step (syncs so far) then
         says where the job is, H / F inner steps per sync; this rank's loop goes on from there, not from its own
         count (a round or more behind), so it ends with the others instead of waiting alone for a quorum."""
-        per_sync = max(1, self.cfg.local_steps // len(self.parts))
-        job_step = self.manager.current_step() * per_sync
+        per_sync, job_step = max(1, self.cfg.local_steps // len(self.parts)), self._job_step()
         if job_step - (step + 1) >= per_sync:
             log.warning("rank %d healed at its step %d: the job is at step %d", self.ctx.rank, step, job_step)
             run.skip_to(job_step)
@@ -251,4 +273,5 @@ class TorchFT(Strategy):
                     extras={"torchft_algorithm": self.cfg.torchft_algorithm, "sync_every": self.cfg.local_steps,
                             "fragments": len(self.parts), "fragment_sync_delay": max(0, self.cfg.overlap_steps),
                             "fragment_update_alpha": self.cfg.torchft_alpha, "wire_dtype": self.cfg.torchft_wire,
-                            "syncs": self.manager.current_step(), "timing_method": TIMING_METHOD, **steady})
+                            "syncs": self.manager.current_step(), "sync_blocked_s": self.sync_blocked_s,
+                            "first_quorum": self.cfg.torchft_first_quorum, "timing_method": TIMING_METHOD, **steady})
