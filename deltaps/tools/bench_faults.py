@@ -8,7 +8,8 @@
                                      its eval log, so within one --eval-every of the moment) or P% of the mode's
                                      healthy time to target in the same seed; with restart=S the same command starts
                                      it again S wall-clock seconds after the kill (its start-up counts), as a
-                                     supervisor would
+                                     supervisor would (torchft: without --torchft-first-quorum, a job's first start's
+                                     flag: it heals at the others' next sync)
 
 A kill takes the worker's whole process tree (a pod's death): a `ddp-elastic` mode's workers run under torchrun's
 elastic agent (`torchrun_command`), which restarts every rank of the job from the newest checkpoint when one dies;

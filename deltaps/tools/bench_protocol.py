@@ -77,6 +77,9 @@ def add_metric_at_common_step(modes: dict, metric: str, common_step: int | None 
 
 
 # ---- the time cap ----------------------------------------------------------------------------------------
+LIVE_CAP_MARGIN = 1.25     # a seed's modes that run before its peers stop at this x the previous seed's cap
+
+
 def cap_seconds(peer_runs: list[dict], factor: float | None) -> float | None:
     """factor x the best (smallest) time to target among one seed's peer runs; None: no cap, or no peer reached."""
     times = [m["time_to_target_s"] for m in peer_runs if m.get("time_to_target_s") is not None]
@@ -140,6 +143,8 @@ def apply_time_cap(m: dict, cap_s: float | None, factor: float | None) -> None:
     """A finished mode whose time to target passed the cap: not reached within it (its other figures stay). What it
     measured stays too, in time_to_target_uncapped_s / steps_to_target_uncapped: a peer runs to its end (the cap
     stops deltaps modes only), and fp32 DDP's time is still the reference of `x vs ddp`."""
+    if m.get("capped") and m.get("cap_s") not in (None, cap_s):
+        judge_live_stop(m, cap_s, factor)
     if cap_s is None or "error" in m or m.get("capped"):
         return
     m["cap_s"] = cap_s
@@ -149,6 +154,23 @@ def apply_time_cap(m: dict, cap_s: float | None, factor: float | None) -> None:
                        f"{cap_s:.2f} s)")
         m["time_to_target_uncapped_s"], m["steps_to_target_uncapped"] = t, m["steps_to_target"]
         m["time_to_target_s"] = m["steps_to_target"] = None
+
+
+def judge_live_stop(m: dict, cap_s: float | None, factor: float | None) -> None:
+    """A mode stopped at a live cap (it ran before its seed's peers: bench_seeds.live_cap) judged by the seed's own
+    cap: within it, it is past that too; past it (or no peer reached the target: no cap), what it would have done
+    is not known, and the report says so (a stop the seed's cap might not have made; never counted as reached)."""
+    stopped_at = m["cap_s"]
+    if cap_s is not None and cap_s <= stopped_at:
+        m["capped"] = (f"not reached within the cap ({factor:g} x the best peer's time to target = {cap_s:.2f} s of "
+                       f"training; stopped at {stopped_at:.2f} s)")
+    else:
+        m["capped"] = (f"stopped at {stopped_at:.2f} s of training before the target (it ran before this seed's peers, "
+                       f"at {LIVE_CAP_MARGIN:g} x the previous seed's cap); this seed's cap is "
+                       f"{'none' if cap_s is None else f'{cap_s:.2f} s'}: whether it reaches the target within that "
+                       f"is not known")
+        m["live_cap_s"] = stopped_at
+    m["cap_s"] = cap_s
 
 
 def wait_within_cap(workers, timeout_s: float, eval_logs: list[str], cap_s: float | None) -> list | None:

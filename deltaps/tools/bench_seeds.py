@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from deltaps.tools.bench_protocol import cap_seconds
+from deltaps.tools.bench_protocol import LIVE_CAP_MARGIN, cap_seconds
 
 PER_SEED = ("seed", "time_to_target_s", "steps_to_target", "median_step_s", "final_test_accuracy", "steps",
             "common_step", "metric_at_common_step", "bytes_per_round_fraction", "capped")
@@ -21,9 +21,6 @@ PER_SEED_WHERE_RUN = ("final_test_auc", "shard_rows_held", "worker_peak_rss_byte
                       "cpu_cores_in_training", "start_skew_s", "rounds",                   # every finished run
                       "payload_energy_share")                                              # local-update runs
 EVERY_SEED_OR_NULL = ("metric_at_common_step", "common_step_evaluated_at", "bytes_per_round_fraction")
-
-
-LIVE_CAP_MARGIN = 1.25     # a seed's modes that run before its peers stop at this x the previous seed's cap
 
 
 def run_order(specs: list[str], index: int, capped: bool, is_peer) -> list[str]:
@@ -36,15 +33,15 @@ def run_order(specs: list[str], index: int, capped: bool, is_peer) -> list[str]:
 
 
 def live_cap(store: dict[str, list[dict]], seeds: list, index: int, factor: float | None, is_peer) -> float | None:
-    """The cap the index-th seed's next deltaps run stops at: its seed's (the peers ran first), else LIVE_CAP_MARGIN x
-    the previous seed's (the seed's own cap is applied afterwards, bench_protocol.apply_time_cap: a mode stopped at
-    the wider live cap is past the seed's own too, unless the peers ran 25 % slower in this seed)."""
-    def seed_cap(seed) -> float | None:
-        return cap_seconds([m for k, r in store.items() if is_peer(k) for m in r if m["seed"] == seed], factor)
-    own = seed_cap(seeds[index])
-    if own is not None or index == 0 or (previous := seed_cap(seeds[index - 1])) is None:
-        return own
-    return LIVE_CAP_MARGIN * previous
+    """The cap the index-th seed's next deltaps run stops at: its seed's, once its peers have run (None when none
+    reached the target: no cap); before they have (odd seeds), LIVE_CAP_MARGIN x the previous seed's, a stop that
+    bench_protocol.judge_live_stop judges again by the seed's own cap once the peers have run."""
+    def peer_runs(seed) -> list[dict]:
+        return [m for k, r in store.items() if is_peer(k) for m in r if m["seed"] == seed]
+    if peer_runs(seeds[index]) or index == 0:
+        return cap_seconds(peer_runs(seeds[index]), factor)
+    previous = cap_seconds(peer_runs(seeds[index - 1]), factor)
+    return None if previous is None else LIVE_CAP_MARGIN * previous
 
 
 def _number(v) -> bool:

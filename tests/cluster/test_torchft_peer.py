@@ -132,3 +132,12 @@ def test_a_first_quorum_before_the_clock_changes_no_bit_and_takes_the_set_up_off
     print("each sync's seconds, without / with the first quorum:", syncs[False], syncs[True])
     later = sorted(syncs[True][1:])
     assert syncs[True][0] < 3 * later[len(later) // 2], syncs[True]
+
+
+def test_a_first_quorum_below_every_replica_meets_again_until_all_are_in(tmp_path, job_runs):
+    # --torchft-min-replicas 1: a quorum may form with the first replica alone; it meets again until both are in,
+    # else the late one's first quorum would pair with the other's first sync
+    _, plain_model = job_runs["torchft"]
+    first, first_model = _run(tmp_path, mode="torchft", torchft_first_quorum=True, torchft_min_replicas=1)
+    assert max((first_model[k] - plain_model[k]).abs().max().item() for k in plain_model) == 0.0
+    assert [w["syncs"] for w in first["per_worker"]] == [6, 6]

@@ -88,15 +88,38 @@ def test_the_run_order_turns_round_every_other_seed_with_the_peers_first_when_th
 
 
 def test_a_mode_that_runs_before_its_seeds_peers_stops_at_a_wider_cap_from_the_previous_seed():
+    from deltaps.tools.bench_protocol import LIVE_CAP_MARGIN
     from deltaps.tools.bench_report import is_peer
-    from deltaps.tools.bench_seeds import LIVE_CAP_MARGIN, live_cap
+    from deltaps.tools.bench_seeds import live_cap
     peer = "torchft:diloco:sync=32"
     store = {peer: [{"seed": 10, "time_to_target_s": 4.0}, {"seed": 11, "time_to_target_s": 5.0}],
              "ddp": [{"seed": 10, "time_to_target_s": 3.0}, {"seed": 11, "time_to_target_s": None}],
              "ps-local32:int8": [{"seed": 10, "time_to_target_s": 1.0}]}      # not a peer: sets no cap
     seeds = [10, 11, 12]
     assert live_cap(store, seeds, 1, 3.0, is_peer) == 3.0 * 5.0           # the peers ran first: the seed's own cap
-    assert live_cap(store, seeds, 2, 3.0, is_peer) == LIVE_CAP_MARGIN * 3.0 * 5.0   # after: the previous, widened
-    assert live_cap({peer: []}, seeds, 1, 3.0, is_peer) is None          # no peer reached: no cap
+    assert live_cap(store, seeds, 2, 3.0, is_peer) == LIVE_CAP_MARGIN * 3.0 * 5.0   # not yet: the previous, widened
     assert live_cap(store, seeds, 0, None, is_peer) is None              # no --time-cap
     assert live_cap({peer: [{"seed": 11, "time_to_target_s": 5.0}]}, seeds, 0, 3.0, is_peer) is None   # seed 10
+    # the seed's peers ran and none reached the target (or every one failed): no cap, never the previous seed's
+    missed = {peer: [{"seed": 10, "time_to_target_s": 4.0}, {"seed": 11, "error": "boom"}]}
+    assert live_cap(missed, seeds, 1, 3.0, is_peer) is None
+    assert live_cap({peer: [{"seed": 10, "time_to_target_s": 4.0}]}, seeds, 1, 3.0, is_peer) == LIVE_CAP_MARGIN * 12.0
+
+
+def test_a_stop_at_the_live_cap_is_judged_again_by_the_seeds_own_cap():
+    from deltaps.tools.bench_protocol import apply_time_cap
+    def stopped(at):
+        return {"capped": "not reached within the cap", "cap_s": at, "time_to_target_s": None, "steps": 96}
+    within = stopped(15.0)
+    apply_time_cap(within, 12.0, 3.0)            # the seed's cap is tighter: past it as well
+    assert within["cap_s"] == 12.0 and "= 12.00 s" in within["capped"] and "live_cap_s" not in within
+    unknown = stopped(15.0)
+    apply_time_cap(unknown, 20.0, 3.0)           # looser: whether it would have made it is not known
+    assert unknown["live_cap_s"] == 15.0 and unknown["cap_s"] == 20.0 and "not known" in unknown["capped"]
+    assert unknown["time_to_target_s"] is None    # never counted as reached
+    none = stopped(15.0)
+    apply_time_cap(none, None, 3.0)              # no peer reached the target in this seed
+    assert "this seed's cap is none" in none["capped"] and none["cap_s"] is None
+    same = stopped(12.0)
+    apply_time_cap(same, 12.0, 3.0)              # the peers ran first: the seed's own cap stopped it
+    assert same == stopped(12.0)

@@ -194,7 +194,13 @@ class TorchFT(Strategy):
         # clock is then the round's, not the job's start-up (the bench sets it on a job's first start only)
         if not self.cfg.torchft_first_quorum:
             return        # the first sync's quorum sets torchft up, on the clock (a restarted replica heals there)
+        # with --torchft-min-replicas below the workers a quorum may form without a replica still starting, whose own
+        # first quorum would then meet the others' first sync: again until every replica is in (or --timeout)
+        deadline = time.monotonic() + self.cfg.timeout_s
         self.manager.start_quorum()
+        while self.manager.num_participants() < self.ctx.world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            self.manager.start_quorum()
         self._first = self._job_step()
         if self._first:
             log.warning("rank %d healed before its first step: the job is at step %d", self.ctx.rank, self._first)
