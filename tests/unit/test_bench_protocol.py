@@ -100,16 +100,22 @@ def test_deltas_at_the_common_step_are_flagged_by_the_metric_direction():
     report = {"workload": "clf", "modes": {"ddp": {"common_step": 30, "metric_at_common_step": .900},
                                            "a": {"common_step": 30, "metric_at_common_step": .905},
                                            "b": {"common_step": 30, "metric_at_common_step": .894},
-                                           "c": {"common_step": 30, "metric_at_common_step": None}}}
+                                           "c": {"common_step": 30, "metric_at_common_step": None},
+                                           "d": {"common_step": 30, "metric_at_common_step": .895},
+                                           "e": {"common_step": 30, "metric_at_common_step": .950}}}
     br.add_common_step_deltas(report)
     m = report["modes"]
     assert m["a"]["metric_at_common_step_delta_vs_ddp"] == pytest.approx(.005) and not m["a"]["common_step_flag"]
     assert m["b"]["common_step_flag"] and m["c"]["metric_at_common_step_delta_vs_ddp"] is None
+    assert not m["d"]["common_step_flag"]                  # half a point below: inside the loss budget
+    assert not m["e"]["common_step_flag"]                  # five points better than DDP: no loss to flag
     lm = {"workload": "lm", "modes": {"ddp": {"common_step": 9, "metric_at_common_step": 2.00},
                                       "a": {"common_step": 9, "metric_at_common_step": 2.019},
-                                      "b": {"common_step": 9, "metric_at_common_step": 2.03}}}
+                                      "b": {"common_step": 9, "metric_at_common_step": 2.03},
+                                      "c": {"common_step": 9, "metric_at_common_step": 1.90}}}
     br.add_common_step_deltas(lm)
     assert not lm["modes"]["a"]["common_step_flag"] and lm["modes"]["b"]["common_step_flag"]   # 1 % of a loss
+    assert not lm["modes"]["c"]["common_step_flag"]        # a loss 5 % below DDP's
     assert br.common_step_cell(lm, lm["modes"]["b"]) == "2.0300 (+1.5 %) !"
 
 
