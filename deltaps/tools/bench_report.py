@@ -114,7 +114,8 @@ def add_speedups(report: dict) -> None:
 def add_common_step_deltas(report: dict) -> None:
     """Per mode, its metric at the common step minus fp32 DDP's (`metric_at_common_step_delta_vs_ddp`) and minus the
     best peer's (`..._vs_best_peer`, after add_time_to_accuracy), and the flag `common_step_flag`: worse than DDP's by
-    more than ACCURACY_FLAG points (accuracy, AUC) or LOSS_FLAG relative (a loss). A ctr report names it `auc_at_common_step` too."""
+    more than ACCURACY_FLAG points (accuracy, AUC) or LOSS_FLAG relative (a loss). A ctr report names it
+    `auc_at_common_step` too."""
     ddp = fp32_ddp_run(report["modes"]) or {}
     ref = ddp.get("metric_at_common_step")
     peer = report["modes"].get(report.get("best_peer") or "", {}).get("metric_at_common_step")
