@@ -21,10 +21,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("lighthouse", help="torchft's Lighthouse: the quorum service of --mode torchft replicas")
     p.add_argument("--bind", required=True, help="HOST:PORT to serve on (port 0: any free one)")
     p.add_argument("--min-replicas", type=int, required=True, help="replicas a quorum needs")
-    p.add_argument("--quorum-tick-ms", type=int, default=None, help="how often a forming quorum is checked "
-                   "(torchft's default: 100)")
-    p.add_argument("--join-timeout-ms", type=int, default=None, help="how long a quorum waits for more than "
-                   "--min-replicas to join (torchft's default: 60000)")
+    # torchft_lighthouse's defaults, given explicitly: torchft's Python LighthouseServer takes None as a 100 ms join
+    # timeout, which drops a heartbeating replica a little late for a round (it must then heal)
+    p.add_argument("--quorum-tick-ms", type=int, default=100, help="how often a forming quorum is checked "
+                   "(torchft_lighthouse's default: 100)")
+    p.add_argument("--join-timeout-ms", type=int, default=60000, help="how long a quorum waits for more than "
+                   "--min-replicas heartbeating replicas to join (torchft_lighthouse's default: 60000)")
 
 
 def run(args) -> int:

@@ -178,8 +178,9 @@ def start_lighthouse(host: str, replicas: int, spawn, port: int | None = None):
     if why:
         raise ValueError(f"--mode torchft: {why}")
     port = port or free_port(host)
-    # torchft's own join timeout (60 s: with every heartbeating replica joined a quorum forms at once; below
-    # --min-replicas = the workers, a short one drops a replica a little late for a round, which must then heal)
+    # torchft_lighthouse's join timeout (60 s, `deltaps lighthouse`'s default: with every heartbeating replica joined a
+    # quorum forms at once; below --min-replicas = the workers, a short one drops a replica a little late for a round,
+    # which must then heal)
     proc = spawn(["lighthouse", "--bind", f"{host}:{port}", "--min-replicas", str(replicas), "--quorum-tick-ms", "10"])
     proc.url = f"http://{host}:{port}"
     return proc

@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -119,6 +120,43 @@ def test_deltaps_lighthouse_serves_torchfts_lighthouse_until_sigterm(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "deltaps", "lighthouse", "--bind", "127.0.0.1:0", "--min-replicas", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--min-replicas must be >= 1, got 0" in bad.stderr
+
+
+def test_deltaps_lighthouse_waits_for_a_heartbeating_replica_as_torchft_lighthouse_does(tmp_path):
+    # torchft's Python LighthouseServer takes an unset join timeout as 100 ms: a quorum of --min-replicas formed
+    # without a replica that was heartbeating but 0.1 s late (the faults race's min_replicas=3 peer healed all job long)
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient
+    port = free_port("127.0.0.1")
+    with open(tmp_path / "lh.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "deltaps", "lighthouse", "--bind", f"127.0.0.1:{port}",
+                                 "--min-replicas", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client = LighthouseClient(f"http://127.0.0.1:{port}", timedelta(seconds=1))
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "lh.log").read_text()
+                time.sleep(0.1)
+        client.heartbeat("late")
+        with pytest.raises(TimeoutError):        # one replica is enough, but "late" heartbeats: it is waited for
+            client.quorum("early", timedelta(seconds=1.5))
+        client.heartbeat("late")
+        quorums = {}
+        early = threading.Thread(target=lambda: quorums.update(early=client.quorum("early", timedelta(seconds=20))))
+        early.start()
+        time.sleep(0.5)                          # five of the 100 ms join timeouts
+        quorums["late"] = LighthouseClient(f"http://127.0.0.1:{port}", timedelta(seconds=5)).quorum(
+            "late", timedelta(seconds=20))
+        early.join(30)
+        assert sorted(m.replica_id for m in quorums["early"].participants) == ["early", "late"]
+        assert quorums["late"].quorum_id == quorums["early"].quorum_id
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
 
 
 def test_a_first_quorum_before_the_clock_changes_no_bit_and_takes_the_set_up_off_the_first_sync(tmp_path, job_runs):
