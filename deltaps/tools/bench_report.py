@@ -23,6 +23,12 @@ ACCURACY_FLAG = 0.005      # accuracy / AUC more than 0.5 points below DDP's
 LOSS_FLAG = 0.01           # a lower-is-better metric (lm's bits per byte) more than 1 % above DDP's
 
 
+def loses_accuracy(delta: float | None) -> bool:
+    """An accuracy / AUC difference from fp32 DDP's past the budget: more than ACCURACY_FLAG below it. Accuracies are
+    float32 test-set fractions (0.910 - 0.905 = 0.00500005): compared at 0.01-point resolution."""
+    return delta is not None and round(-delta, 4) > ACCURACY_FLAG
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -128,8 +134,8 @@ def add_common_step_deltas(report: dict) -> None:
         m["metric_at_common_step_delta_vs_best_peer"] = None if v is None or peer is None else v - peer
         delta = None if v is None or ref is None else v - ref
         m["metric_at_common_step_delta_vs_ddp"] = delta
-        m["common_step_flag"] = delta is not None and (
-            delta > LOSS_FLAG * abs(ref) if lower_is_better(report) else round(-delta, 4) > ACCURACY_FLAG)
+        m["common_step_flag"] = (delta is not None and delta > LOSS_FLAG * abs(ref) if lower_is_better(report)
+                                 else loses_accuracy(delta))
 
 
 def add_time_to_accuracy(report: dict, target: float | None) -> None:
@@ -145,9 +151,7 @@ def add_time_to_accuracy(report: dict, target: float | None) -> None:
         m.setdefault("steps_to_target", None)
         m["speedup_vs_best_peer"] = _ratio(modes.get(best), m)
         m["speedup_vs_ddp"] = _ratio(ddp, m)
-        da = m.get("accuracy_delta_vs_allreduce")
-        # accuracies are float32 test-set fractions (0.910 - 0.905 = 0.00500005): compare at 0.01-point resolution
-        m["accuracy_flag"] = da is not None and round(-da, 4) > ACCURACY_FLAG
+        m["accuracy_flag"] = loses_accuracy(m.get("accuracy_delta_vs_allreduce"))
 
 
 def table(cols: list[str], rows: list[list]) -> str:

@@ -38,8 +38,9 @@ def live_cap(store: dict[str, list[dict]], seeds: list, index: int, factor: floa
     bench_protocol.judge_live_stop judges again by the seed's own cap once the peers have run."""
     def peer_runs(seed) -> list[dict]:
         return [m for k, r in store.items() if is_peer(k) for m in r if m["seed"] == seed]
-    if peer_runs(seeds[index]) or index == 0:
-        return cap_seconds(peer_runs(seeds[index]), factor)
+    own = peer_runs(seeds[index])
+    if own or index == 0:
+        return cap_seconds(own, factor)
     previous = cap_seconds(peer_runs(seeds[index - 1]), factor)
     return None if previous is None else LIVE_CAP_MARGIN * previous
 

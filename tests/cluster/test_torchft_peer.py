@@ -94,23 +94,30 @@ def test_rules_name_what_is_missing():
         load_job(None, {"mode": "torchft", "local_steps": 8, "torchft_wire": "bf16", "torchft_algorithm": "localsgd"})
 
 
+def _listening_lighthouse(tmp_path, *flags: str) -> tuple[subprocess.Popen, int]:
+    """`deltaps lighthouse --bind 127.0.0.1:<free port> <flags>` once it accepts connections (its log: lh.log)."""
+    port = free_port("127.0.0.1")
+    with open(tmp_path / "lh.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "deltaps", "lighthouse", "--bind", f"127.0.0.1:{port}", *flags],
+                                stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, (tmp_path / "lh.log").read_text()
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if time.monotonic() >= deadline:
+                proc.kill()
+                raise AssertionError("the Lighthouse never listened") from None
+            time.sleep(0.05)
+
+
 def test_deltaps_lighthouse_serves_torchfts_lighthouse_until_sigterm(tmp_path):
     """`deltaps lighthouse` (what launch and bench compare fork for torchft modes) serves torchft's LighthouseServer
     at --bind, exits 0 on SIGTERM; a bad --min-replicas is a usage error naming the flag."""
-    port = free_port("127.0.0.1")
-    with open(tmp_path / "lh.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "deltaps", "lighthouse", "--bind", f"127.0.0.1:{port}",
-                                 "--min-replicas", "2", "--quorum-tick-ms", "10"], stdout=log, stderr=subprocess.STDOUT)
+    proc, _ = _listening_lighthouse(tmp_path, "--min-replicas", "2", "--quorum-tick-ms", "10")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "lh.log").read_text()
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the Lighthouse never listened"
-                time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
@@ -128,20 +135,10 @@ def test_deltaps_lighthouse_waits_for_a_heartbeating_replica_as_torchft_lighthou
     from datetime import timedelta
 
     from torchft._torchft import LighthouseClient
-    port = free_port("127.0.0.1")
+    proc, port = _listening_lighthouse(tmp_path, "--min-replicas", "1")
     url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "lh.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "deltaps", "lighthouse", "--bind", f"127.0.0.1:{port}",
-                                 "--min-replicas", "1"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client = LighthouseClient(url, timedelta(seconds=1))
-                break
-            except Exception:  # noqa: BLE001 - not listening yet
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "lh.log").read_text()
-                time.sleep(0.1)
+        client = LighthouseClient(url, timedelta(seconds=5))
         quorums = {}
 
         def ask(replica: str, wait_s: float) -> None:

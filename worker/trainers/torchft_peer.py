@@ -209,9 +209,14 @@ class TorchFT(Strategy):
     def first_step(self) -> int:
         return self._first
 
+    @property
+    def _steps_per_sync(self) -> int:
+        """Inner steps between two syncs: H / F (each sync is one fragment's)."""
+        return max(1, self.cfg.local_steps // len(self.parts))
+
     def _job_step(self) -> int:
-        """The job's inner step as torchft's step (syncs so far) says: H / F inner steps per sync."""
-        return self.manager.current_step() * max(1, self.cfg.local_steps // len(self.parts))
+        """The job's inner step as torchft's step (syncs so far) says."""
+        return self.manager.current_step() * self._steps_per_sync
 
     def _inner_step_done(self, *_) -> None:
         self._t_inner = time.perf_counter()
@@ -239,8 +244,8 @@ class TorchFT(Strategy):
         """A replica restarted mid-job heals from a live one at its first sync: torchft's step (syncs so far) then
         says where the job is, H / F inner steps per sync; this rank's loop goes on from there, not from its own
         count (a round or more behind), so it ends with the others instead of waiting alone for a quorum."""
-        per_sync, job_step = max(1, self.cfg.local_steps // len(self.parts)), self._job_step()
-        if job_step - (step + 1) >= per_sync:
+        job_step = self._job_step()
+        if job_step - (step + 1) >= self._steps_per_sync:
             log.warning("rank %d healed at its step %d: the job is at step %d", self.ctx.rank, step, job_step)
             run.skip_to(job_step)
 
