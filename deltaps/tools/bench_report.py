@@ -152,6 +152,28 @@ def add_time_to_accuracy(report: dict, target: float | None) -> None:
         m["speedup_vs_best_peer"] = _ratio(modes.get(best), m)
         m["speedup_vs_ddp"] = _ratio(ddp, m)
         m["accuracy_flag"] = loses_accuracy(m.get("accuracy_delta_vs_allreduce"))
+    report["comm_bound"] = comm_bound(best, modes.get(best))
+
+
+def comm_bound(spec: str | None, peer: dict | None) -> dict | None:
+    """Amdahl's bound on the race: the best peer's share of its step time spent communicating (transfers and waiting
+    for the others, every worker's mean over its run) and 1 / (1 - that share), the most a mode could gain on it with
+    the peer's steps to target and compute per step and communication for free. Below the issue's target, only fewer
+    steps or cheaper steps can reach it, not fewer bytes (the decision rule: compression pays where communication
+    takes more than 30 % of the step)."""
+    if not peer or peer.get("comm_share") is None or peer.get("wait_share") is None:
+        return None
+    share = peer["comm_share"] + peer["wait_share"]
+    return {"peer": spec, "comm_share": share, "max_speedup": 1 / (1 - share) if share < 1 else None}
+
+
+def comm_bound_note(report: dict) -> str | None:
+    b = report.get("comm_bound")
+    if not b:
+        return None
+    bound = "unbounded" if b["max_speedup"] is None else f"at most x{b['max_speedup']:.2f}"
+    return (f"comm bound: the best peer ({b['peer']}) spent {b['comm_share']:.0%} of its steps communicating; with its "
+            f"steps and compute per step and communication for free a mode is {bound} sooner")
 
 
 def table(cols: list[str], rows: list[list]) -> str:
@@ -251,6 +273,8 @@ def format_table_mlp(report: dict) -> str:
                      f"below, or a loss {LOSS_FLAG * 100:g} % above); "
                      f"round/model = bytes one worker pushes + pulls per outer round / the fp32 model's bytes "
                      f"(carried: the share of the rounds' deltas + residuals, squared L2, the pushes carried)")
+    if timed and comm_bound_note(report):
+        notes.append(comm_bound_note(report))
     if not common and any(m.get("accuracy_flag") for m in report["modes"].values()):
         notes.append(f"! = final accuracy more than {ACCURACY_FLAG * 100:.1f} points below fp32 DDP's")
     return "\n".join([table(cols, rows)] + notes)

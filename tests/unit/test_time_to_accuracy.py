@@ -218,6 +218,19 @@ def test_best_peer_and_speedups():
     table = br.format_table_mlp(r)
     assert "time to target" in table and "x vs best peer" in table and "-0.60 pp !" in table
     assert "not reached" in table and "FAILED" in table and "x2.50" in table
+    # the best peer spent 30 % on transfers and 20 % waiting: free communication at its steps halves its time at most
+    assert r["comm_bound"] == {"peer": "ddp:fp16", "comm_share": pytest.approx(0.5), "max_speedup": pytest.approx(2.0)}
+    assert "spent 50% of its steps communicating" in table and "at most x2.00 sooner" in table
+
+
+def test_a_peer_that_never_communicates_bounds_the_race_at_one():
+    r = _report()
+    r["modes"]["ddp:fp16"].update(comm_share=0.0, wait_share=0.0)
+    br.add_time_to_accuracy(r, 0.9)
+    assert r["comm_bound"]["max_speedup"] == pytest.approx(1.0)
+    r["modes"]["ddp:fp16"].update(comm_share=0.7, wait_share=0.3)     # all communication: no bound
+    br.add_time_to_accuracy(r, 0.9)
+    assert r["comm_bound"]["max_speedup"] is None and "unbounded" in br.format_table_mlp(r)
 
 
 def test_exactly_half_a_point_is_not_flagged():
@@ -235,7 +248,7 @@ def test_no_peer_reached_the_target():
     for spec in ("ddp", "ddp:fp16"):
         r["modes"][spec]["time_to_target_s"] = None
     br.add_time_to_accuracy(r, 0.9)
-    assert r["best_peer"] is None
+    assert r["best_peer"] is None and r["comm_bound"] is None
     assert r["modes"]["ps:int8"]["speedup_vs_best_peer"] is None and r["modes"]["ps:int8"]["speedup_vs_ddp"] is None
 
 
