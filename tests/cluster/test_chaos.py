@@ -116,6 +116,8 @@ def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
                for r in range(2)]
     before = wait_version(addrs[0], 100)     # (a worker slower to start than the timeout may have been
     v0, e0 = before.min_version, before.evictions   # evicted once and rejoined on Register: counted)
+    shard_log = procs.tmp / "server0.log"
+    evicted_before = shard_log.read_text().count("evicted worker 1 ")
     workers[1].send_signal(signal.SIGKILL)
     t_kill = time.monotonic()
     workers[1].wait(10)
@@ -125,12 +127,15 @@ def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
     print(f"\nworker 1 kill -9 at version {v_kill}: worker 0 made progress again after {resumed:.2f}s "
           f"(worker-timeout {timeout}s)")
     # the shard's own clock: evicted within a reaper tick of the timeout (a little slack for a sleep on a loaded box)
-    silent = re.findall(r"evicted worker 1 \(silent for ([0-9.]+)s", (procs.tmp / "server0.log").read_text())
+    silent = re.findall(r"evicted worker 1 \(silent for ([0-9.]+)s", shard_log.read_text())
     assert silent and float(silent[-1]) <= timeout + reaper_tick(timeout) + 0.3, silent
     # end to end (eviction, the blocked round applied, two more rounds, this test's polling): seconds, not the
     # shards' --wait-timeout
     assert resumed <= timeout + 3.0, resumed
-    assert list(st.live_workers) == [0] and st.evictions == e0 + 1 and v0 >= 100
+    # worker 1 evicted once; the count may also hold worker 0, silent past the timeout on a loaded box and back at
+    # its next RPC (an eviction of its own, not of the kill)
+    assert shard_log.read_text().count("evicted worker 1 ") == evicted_before + 1
+    assert list(st.live_workers) == [0] and st.evictions >= e0 + 1 and v0 >= 100
     workers[1] = procs.add(worker_proc(1, addrs, tmp_path, procs.log("worker1-rejoined"), "--steps", str(steps)))
     t0 = time.monotonic()
     while time.monotonic() - t0 < 60:
