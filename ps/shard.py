@@ -212,7 +212,8 @@ class Shard(Membership, Waits):
                 self._wait_for_step(ks, worker, step)
             if step < ks.pushed.get(worker, 0):
                 self.counters.add("duplicates")
-                return True, ks.version, None
+                # a replay of the last push (its answer lost) is realigned as the original was, if it landed late
+                return True, ks.version, ks.landed.get(worker) if step == ks.pushed[worker] - 1 else None
             # rounds the gradient or delta missed (quorum: a late delta lands on the open round)
             lag = max(0, (ks.version if job.sync.kind == "quorum" else step) - pulled)
             self.staleness.add(lag)
@@ -223,6 +224,10 @@ class Shard(Membership, Waits):
                 self.counters.add("after_stop")
             elif job.sync.rounds:
                 late_in = ks.version if step < ks.version else None     # the open round a late delta lands in
+                if late_in is None:
+                    ks.landed.pop(worker, None)
+                else:
+                    ks.landed[worker] = late_in
                 self._contribute(ks, worker, step, g, job.sync.weight(lag, inner_steps, job.local_steps),
                                  job.sync.share(inner_steps, job.local_steps))
                 return False, ks.version, late_in

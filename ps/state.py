@@ -62,6 +62,8 @@ class KeyState:
     initialized: bool = False
     version: int = 0
     pushed: dict = field(default_factory=dict)      # worker -> steps pushed (next expected step)
+    # quorum: worker -> the open round its last push landed in late (a replay of that push waits for it as well)
+    landed: dict = field(default_factory=dict)
     agg: torch.Tensor | None = None                  # bsp: sum of this step's gradients
     agg_from: set = field(default_factory=set)
     agg_weight: float = 0.0                          # weights summed in agg (quorum: a worker may add two)
@@ -83,7 +85,7 @@ class KeyState:
         s = self.spec
         return {"spec": [s.key, s.param, s.offset, s.numel, s.dtype, s.shard, s.role, s.cols],
                 "value": self.value.clone(), "initialized": self.initialized, "version": self.version,
-                "pushed": dict(self.pushed), "agg": None if self.agg is None else self.agg.clone(),
+                "pushed": dict(self.pushed), "landed": dict(self.landed), "agg": None if self.agg is None else self.agg.clone(),
                 "agg_from": sorted(self.agg_from), "agg_weight": self.agg_weight,
                 "opt": copy.deepcopy(self.opt.state_dict()) if self.opt is not None else None,
                 "view": self.view.view.clone() if self.view is not None else None, "exact_since": self.exact_since}
@@ -93,6 +95,7 @@ class KeyState:
         ks = cls(Key(*d["spec"]), d["value"].clone().to(torch.float32))
         ks.initialized, ks.version = d["initialized"], d["version"]
         ks.pushed = {int(w): int(n) for w, n in d["pushed"].items()}
+        ks.landed = {int(w): int(r) for w, r in d.get("landed", {}).items()}   # older checkpoints have none
         ks.agg = None if d["agg"] is None else d["agg"].clone()
         ks.agg_from = set(d["agg_from"])
         ks.agg_weight = float(d.get("agg_weight", len(ks.agg_from)))

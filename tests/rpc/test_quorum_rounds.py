@@ -14,6 +14,7 @@ from test_local_updates import max_diff, train_deltaps
 from deltaps.errors import PSError
 from deltaps.optimizer_config import outer_optimizer_config
 from protos import pb, rpc
+from ps.state import KeyState
 
 AVG = outer_optimizer_config("avg")     # SGD lr 1 on the mean delta: value -= mean, easy to follow exactly
 N = 12
@@ -132,6 +133,39 @@ def test_a_worker_whose_delta_landed_late_waits_to_be_back_in_phase(cluster_fact
     st = c.shards[0].stats()
     assert st["max_version"] == 3 and st["late_contributions"] == 1
     assert torch.equal(views[1]["w"], torch.full((N,), -7.0 - 2.0))
+    for cl in (w0, w1, w2):
+        cl.close()
+
+
+def test_a_replayed_late_push_waits_as_the_original_did(cluster_factory):
+    """A PushPull retried after its answer was lost is a duplicate push, acknowledged and not applied again; its pull
+    still waits for the round the original delta landed in (handed the current model, the worker would train the
+    round the others are halfway through and stay a round behind, as without realignment)."""
+    c, (w0, w1, w2) = _job(cluster_factory, 3, "quorum:2:grace=0")
+    w0.push({"w": torch.ones(N)}, 0)
+    w1.push({"w": torch.full((N,), 3.0)}, 0)        # round 0 closes without worker 2: version 1
+    views = [{"w": _value(cl)} for cl in (w0, w2)]
+    w2.push({"w": torch.full((N,), 8.0)}, 0)        # the original: late, in round 1; its answer never arrived
+    replay = threading.Thread(target=_push_pull, args=(w2, 8.0, 0, views[1]))
+    replay.start()
+    time.sleep(0.5)
+    st = c.shards[0].stats()
+    assert replay.is_alive() and st["max_version"] == 1 and st["duplicates"] == 1
+    ks = next(iter(c.shards[0].keys.values()))     # where it landed survives a checkpoint and restore
+    assert ks.landed == {2: 1} and KeyState.from_state_dict(ks.state_dict(), c.shards[0].job.optimizer, "none").landed == {2: 1}
+    _push_pull(w0, 2.0, 1, views[0])                # round 1 closes: the late delta (once) and this one
+    replay.join(5)
+    assert not replay.is_alive()
+    assert torch.equal(views[1]["w"], views[0]["w"]) and torch.equal(views[0]["w"], torch.full((N,), -2.0 - 5.0))
+    # back in phase, a replay of an on-time push is answered at once
+    on_time = threading.Thread(target=_push_pull, args=(w0, 1.0, 2, views[0]))
+    on_time.start()
+    _push_pull(w2, 3.0, 2, views[1])
+    on_time.join(5)
+    t0 = time.monotonic()
+    _push_pull(w2, 3.0, 2, views[1])
+    assert time.monotonic() - t0 < 1.0 and c.shards[0].stats()["duplicates"] == 2
+    assert c.shards[0].stats()["late_contributions"] == 1
     for cl in (w0, w1, w2):
         cl.close()
 
