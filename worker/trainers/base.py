@@ -98,14 +98,16 @@ def load_params(named, values: dict[str, torch.Tensor]) -> None:
 
 def adopt_server_params(opt, flush: bool = True) -> None:
     """Everyone has pushed everything: take the servers' final parameters (and synchronised buffers) into the model.
-    flush: a local-update job's inner steps since the last round take a last round first; False when the job
-    stopped because the shards' (global) model reached the target: that model is the result."""
+    flush: a local-update job's inner steps since the last round take a last round first, then the shards' exact
+    model is pulled. False when an evaluation stopped the job at its target: the result is the model that evaluation
+    judged, the global model as every worker last pulled it (the shared pull view; under a lossy pull codec the
+    shards' exact model differs from it by what the pulls have not carried yet)."""
     if flush:
         opt.flush()
     else:
         opt.synchronize()    # exchanges in flight complete; nothing new is pushed
     opt.client.barrier("train-done")
-    opt.load(opt.client.pull(min_version=0))
+    opt.load(opt.client.pull(min_version=0) if flush else opt.staging)
 
 
 def save_model(cfg: TrainConfig, rank: int, state: dict) -> None:

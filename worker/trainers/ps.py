@@ -174,7 +174,7 @@ class ParameterServer(Strategy):
             # the shards' keys may be a round apart at the stop (docs/local-updates.md#quorum-rounds)
             opt.client.barrier("train-done")
             opt.load(opt.staging)
-        else:   # a job an evaluation stopped keeps the shards' model it evaluated (no flush of inner steps)
+        else:   # a job an evaluation stopped keeps the global model it evaluated (no flush of inner steps)
             adopt_server_params(opt, flush=run.stopped_at is None)
         note = {"optimizer_note": f"server {self.cfg.optimizer} on every parameter, table included"}
         return dict(**comm_counters(opt.client.stats.snapshot()), loop_bytes_pulled_wire=int(loop_pulled),
