@@ -1,10 +1,10 @@
 """Shard checkpoints: consistent snapshots of a Shard, restore, and the periodic/final checkpointer.
 
 A snapshot is Shard.state_dict() (which composes Job.state_dict and KeyState.state_dict, ps/state.py):
-parameters, optimizer state, versions, the per-(key, worker) pushed table (idempotency), any in-progress
-bsp aggregation, the pull views, codec + codec_epoch, the live set and the counters, taken under the
-shard's locks; it is serialised after they are released. The file format (atomic, checksummed,
-newest valid one wins) is ps/checkpoint.py.
+parameters, optimizer state, versions, the per-(key, worker) pushed table (idempotency) and the rounds late
+pushes landed in (a replay's realignment), any in-progress bsp aggregation, the pull views, codec + codec_epoch,
+the live set and the counters, taken under the shard's locks; it is serialised after they are released. The
+file format (atomic, checksummed, newest valid one wins) is ps/checkpoint.py.
 
 Row-sparse embedding tables (ps/embedding/) are part of the snapshot too ("embedding": the store's
 state_dict: rows held, optimizer state, version, pushed table, live set, in-progress bsp aggregation).

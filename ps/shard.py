@@ -218,15 +218,14 @@ class Shard(Membership, Waits):
             lag = max(0, (ks.version if job.sync.kind == "quorum" else step) - pulled)
             self.staleness.add(lag)
             ks.pushed[worker] = step + 1
+            ks.landed.pop(worker, None)      # set again below if this push lands late
             if g is None:
                 self.counters.add("nonfinite_skipped")
             if self.stopped is not None:     # the job's model is the one its target was judged on
                 self.counters.add("after_stop")
             elif job.sync.rounds:
                 late_in = ks.version if step < ks.version else None     # the open round a late delta lands in
-                if late_in is None:
-                    ks.landed.pop(worker, None)
-                else:
+                if late_in is not None:
                     ks.landed[worker] = late_in
                 self._contribute(ks, worker, step, g, job.sync.weight(lag, inner_steps, job.local_steps),
                                  job.sync.share(inner_steps, job.local_steps))

@@ -85,7 +85,8 @@ class KeyState:
         s = self.spec
         return {"spec": [s.key, s.param, s.offset, s.numel, s.dtype, s.shard, s.role, s.cols],
                 "value": self.value.clone(), "initialized": self.initialized, "version": self.version,
-                "pushed": dict(self.pushed), "landed": dict(self.landed), "agg": None if self.agg is None else self.agg.clone(),
+                "pushed": dict(self.pushed), "landed": dict(self.landed),
+                "agg": None if self.agg is None else self.agg.clone(),
                 "agg_from": sorted(self.agg_from), "agg_weight": self.agg_weight,
                 "opt": copy.deepcopy(self.opt.state_dict()) if self.opt is not None else None,
                 "view": self.view.view.clone() if self.view is not None else None, "exact_since": self.exact_since}

@@ -156,15 +156,16 @@ def add_time_to_accuracy(report: dict, target: float | None) -> None:
 
 
 def comm_bound(spec: str | None, peer: dict | None) -> dict | None:
-    """Amdahl's bound on the race: the best peer's share of its step time spent communicating (transfers and waiting
-    for the others, every worker's mean over its run) and 1 / (1 - that share), the most a mode could gain on it with
-    the peer's steps to target and compute per step and communication for free. Below the issue's target, only fewer
-    steps or cheaper steps can reach it, not fewer bytes (the decision rule: compression pays where communication
-    takes more than 30 % of the step)."""
-    if not peer or peer.get("comm_share") is None or peer.get("wait_share") is None:
+    """Amdahl's bound on the race: the best peer's share of its step time blocked on communication (transfers and
+    waiting for the others: 1 - its compute share, each worker's over its whole run, to the common step where there is
+    one; over seeds the median, which commutes with 1 - x) and 1 / (1 - that share), the most a mode could gain on it
+    with the peer's steps and compute per step and communication for free. A speed-up target above it takes fewer or
+    cheaper steps, not fewer bytes (the decision rule: compression pays where communication takes more than 30 % of
+    the step)."""
+    if not peer or peer.get("compute_share") is None:
         return None
-    share = peer["comm_share"] + peer["wait_share"]
-    return {"peer": spec, "comm_share": share, "max_speedup": 1 / (1 - share) if share < 1 else None}
+    blocked = 1.0 - peer["compute_share"]
+    return {"peer": spec, "blocked_share": blocked, "max_speedup": 1 / (1 - blocked) if blocked < 1 else None}
 
 
 def comm_bound_note(report: dict) -> str | None:
@@ -172,8 +173,8 @@ def comm_bound_note(report: dict) -> str | None:
     if not b:
         return None
     bound = "unbounded" if b["max_speedup"] is None else f"at most x{b['max_speedup']:.2f}"
-    return (f"comm bound: the best peer ({b['peer']}) spent {b['comm_share']:.0%} of its steps communicating; with its "
-            f"steps and compute per step and communication for free a mode is {bound} sooner")
+    return (f"comm bound: the best peer ({b['peer']}) spent {b['blocked_share']:.0%} of its steps communicating; with "
+            f"its steps and compute per step and communication for free a mode is {bound} sooner")
 
 
 def table(cols: list[str], rows: list[list]) -> str:
@@ -273,8 +274,9 @@ def format_table_mlp(report: dict) -> str:
                      f"below, or a loss {LOSS_FLAG * 100:g} % above); "
                      f"round/model = bytes one worker pushes + pulls per outer round / the fp32 model's bytes "
                      f"(carried: the share of the rounds' deltas + residuals, squared L2, the pushes carried)")
-    if timed and comm_bound_note(report):
-        notes.append(comm_bound_note(report))
+    bound = comm_bound_note(report) if timed else None
+    if bound:
+        notes.append(bound)
     if not common and any(m.get("accuracy_flag") for m in report["modes"].values()):
         notes.append(f"! = final accuracy more than {ACCURACY_FLAG * 100:.1f} points below fp32 DDP's")
     return "\n".join([table(cols, rows)] + notes)

@@ -148,9 +148,11 @@ def test_a_replayed_late_push_waits_as_the_original_did(cluster_factory):
     w2.push({"w": torch.full((N,), 8.0)}, 0)        # the original: late, in round 1; its answer never arrived
     replay = threading.Thread(target=_push_pull, args=(w2, 8.0, 0, views[1]))
     replay.start()
-    time.sleep(0.5)
-    st = c.shards[0].stats()
-    assert replay.is_alive() and st["max_version"] == 1 and st["duplicates"] == 1
+    deadline = time.monotonic() + 10
+    while c.shards[0].stats()["duplicates"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)                                 # in its pull's wait now: it must still be there
+    assert replay.is_alive() and c.shards[0].stats()["max_version"] == 1 and c.shards[0].stats()["duplicates"] == 1
     ks = next(iter(c.shards[0].keys.values()))     # where it landed survives a checkpoint and restore
     assert ks.landed == {2: 1} and KeyState.from_state_dict(ks.state_dict(), c.shards[0].job.optimizer, "none").landed == {2: 1}
     _push_pull(w0, 2.0, 1, views[0])                # round 1 closes: the late delta (once) and this one

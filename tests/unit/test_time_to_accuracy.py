@@ -219,16 +219,16 @@ def test_best_peer_and_speedups():
     assert "time to target" in table and "x vs best peer" in table and "-0.60 pp !" in table
     assert "not reached" in table and "FAILED" in table and "x2.50" in table
     # the best peer spent 30 % on transfers and 20 % waiting: free communication at its steps halves its time at most
-    assert r["comm_bound"] == {"peer": "ddp:fp16", "comm_share": pytest.approx(0.5), "max_speedup": pytest.approx(2.0)}
+    assert r["comm_bound"] == {"peer": "ddp:fp16", "blocked_share": pytest.approx(0.5), "max_speedup": pytest.approx(2.0)}
     assert "spent 50% of its steps communicating" in table and "at most x2.00 sooner" in table
 
 
 def test_a_peer_that_never_communicates_bounds_the_race_at_one():
     r = _report()
-    r["modes"]["ddp:fp16"].update(comm_share=0.0, wait_share=0.0)
+    r["modes"]["ddp:fp16"].update(compute_share=1.0, comm_share=0.0, wait_share=0.0)
     br.add_time_to_accuracy(r, 0.9)
     assert r["comm_bound"]["max_speedup"] == pytest.approx(1.0)
-    r["modes"]["ddp:fp16"].update(comm_share=0.7, wait_share=0.3)     # all communication: no bound
+    r["modes"]["ddp:fp16"].update(compute_share=0.0, comm_share=0.7, wait_share=0.3)     # all communication: no bound
     br.add_time_to_accuracy(r, 0.9)
     assert r["comm_bound"]["max_speedup"] is None and "unbounded" in br.format_table_mlp(r)
 

@@ -99,9 +99,8 @@ def load_params(named, values: dict[str, torch.Tensor]) -> None:
 def adopt_server_params(opt, flush: bool = True) -> None:
     """Everyone has pushed everything: take the servers' final parameters (and synchronised buffers) into the model.
     flush: a local-update job's inner steps since the last round take a last round first, then the shards' exact
-    model is pulled. False when an evaluation stopped the job at its target: the result is the model that evaluation
-    judged, the global model as every worker last pulled it (the shared pull view; under a lossy pull codec the
-    shards' exact model differs from it by what the pulls have not carried yet)."""
+    model is pulled. False when an evaluation stopped the job: the model it judged is the result, the shared pull
+    view (a lossy pull lags the exact model; quorum ranks > 0, stopped by rank 0: their own last pull)."""
     if flush:
         opt.flush()
     else:
