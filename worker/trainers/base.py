@@ -96,19 +96,6 @@ def load_params(named, values: dict[str, torch.Tensor]) -> None:
             p.copy_(values[n].view_as(p))
 
 
-def adopt_server_params(opt, flush: bool = True) -> None:
-    """Everyone has pushed everything: take the servers' final parameters (and synchronised buffers) into the model.
-    flush: a local-update job's inner steps since the last round take a last round first, then the shards' exact
-    model is pulled. False when an evaluation stopped the job: the model it judged is the result, the shared pull
-    view (a lossy pull lags the exact model; quorum ranks > 0, stopped by rank 0: their own last pull)."""
-    if flush:
-        opt.flush()
-    else:
-        opt.synchronize()    # exchanges in flight complete; nothing new is pushed
-    opt.client.barrier("train-done")
-    opt.load(opt.client.pull(min_version=0) if flush else opt.staging)
-
-
 def save_model(cfg: TrainConfig, rank: int, state: dict) -> None:
     """--save-model (the loop calls it only then): rank 0 writes the model's state_dict, on the CPU."""
     if rank == 0:

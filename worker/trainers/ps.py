@@ -11,10 +11,23 @@ import threading
 import time
 
 from deltaps.errors import PSError
-from worker.trainers.base import adopt_server_params, comm_counters, distributed_optimizer
+from worker.trainers.base import comm_counters, distributed_optimizer
 from worker.trainers.strategy import StepOutcome, Strategy, WorkerStopped, register
 
 log = logging.getLogger("deltaps.worker")
+
+
+def adopt_server_params(opt, flush: bool = True) -> None:
+    """Everyone has pushed everything: take the servers' final parameters (and synchronised buffers) into the model.
+    flush: a local-update job's inner steps since the last round take a last round first, then the shards' exact
+    model is pulled. False when an evaluation stopped the job: the model it judged is the result, the shared pull
+    view (a lossy pull lags the exact model; quorum ranks > 0, stopped by rank 0: their own last pull)."""
+    if flush:
+        opt.flush()
+    else:
+        opt.synchronize()    # exchanges in flight complete; nothing new is pushed
+    opt.client.barrier("train-done")
+    opt.load(opt.client.pull(min_version=0) if flush else opt.staging)
 
 
 class LossGuard:
