@@ -46,11 +46,10 @@ STARVED_MIN_S = 1.0     # and never sooner than this nor than twice its grace wi
 def realigned_pull(landed: list[int | None]) -> int:
     """PushPull under quorum: the version its pull waits for beyond the usual next one (0: none). `landed`, per key
     pushed: the open round a late delta landed in (None: on time, or a replay of an on-time or older push; a replay
-    of the last push, late: where it landed). When
-    every key's delta landed late, the worker is already in those rounds; handed the current model at once it would
-    train a round the others are halfway through, land late again, and stay a round behind for good, every delta
-    discounted as stale (a joiner, a worker that missed a close). Waiting for the earliest of them to close puts it
-    back in phase: at most the rest of one round, once
+    of the last push, late: where it landed). When every key's delta landed late, the worker is already in those
+    rounds; handed the current model at once it would train a round the others are halfway through, land late again,
+    and stay a round behind for good, every delta discounted as stale (a joiner, a worker that missed a close).
+    Waiting for the earliest of them to close puts it back in phase: at most the rest of one round, once
     (docs/local-updates.md#quorum-rounds-never-wait-for-the-slowest-or-the-dead)."""
     return min(landed) + 1 if landed and all(r is not None for r in landed) else 0
 
