@@ -182,13 +182,11 @@ class ParameterServer(Strategy):
         # pulled in the loop: neither the initial full pull nor the end-of-job one below (bench's pulled per step)
         loop_pulled = opt.client.stats.snapshot().get("bytes_pulled_wire", 0) - \
             self.stats_after_setup.get("bytes_pulled_wire", 0)
-        if self.quorum and opt.client.job_stop is not None and opt.client.job_stop["worker_id"] == self.rank:
-            # the judge keeps the global model it judged: under quorum the keys' rounds close independently, so
-            # the shards' keys may be a round apart at the stop (docs/local-updates.md#quorum-rounds)
-            opt.client.barrier("train-done")
-            opt.load(opt.staging)
-        else:   # a job an evaluation stopped keeps the global model it evaluated (no flush of inner steps)
-            adopt_server_params(opt, flush=run.stopped_at is None)
+        # a job an evaluation stopped keeps the global model it evaluated (no flush of inner steps); so does the
+        # quorum job's judge, whatever ended its loop: the keys' rounds close independently, so the shards' keys may be
+        # a round apart at the stop (docs/local-updates.md#quorum-rounds)
+        judge = self.quorum and opt.client.job_stop is not None and opt.client.job_stop["worker_id"] == self.rank
+        adopt_server_params(opt, flush=run.stopped_at is None and not judge)
         note = {"optimizer_note": f"server {self.cfg.optimizer} on every parameter, table included"}
         return dict(**comm_counters(opt.client.stats.snapshot()), loop_bytes_pulled_wire=int(loop_pulled),
                     codec=self.cfg.codec, final_codec=opt.client.codec,
