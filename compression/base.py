@@ -5,6 +5,7 @@ seed, ...), so a parameter server decodes it without knowing the sender's spec s
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -54,6 +55,11 @@ class Codec:
     def wire_nbytes(self, numel: int, dtype: torch.dtype) -> int | None:
         """Body size compress() would produce (None: unknown until compressed)."""
         return None
+
+    def shaped_wire_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> int | None:
+        """Body size of a tensor of `shape` — a matrix codec's depends on the shape, not only the count (the
+        layout balances a matrix-keyed job's shards by it); None: unknown until compressed."""
+        return self.wire_nbytes(math.prod(shape), dtype)
 
     def accumulate(self, payload: Payload, out: torch.Tensor, alpha: float = 1.0) -> None:
         """out.view(-1) += alpha * decompress(payload), decoded where `out` lives. Sparse codecs override with a

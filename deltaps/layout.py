@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 DEFAULT_CHUNK_BYTES = 4 << 20      # a key holds at most this many bytes
 # A parameter larger than its fair share of a shard (total / shards) is cut into keys of that share, so one
@@ -78,13 +79,14 @@ def matrix_cols(shape: tuple[int, ...]) -> int:
 def build_layout(params: list[tuple[str, int, str]], num_shards: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffers: list[tuple[str, int]] = (),
                  buffer_role: str = BUFFER_ROLES["broadcast"], cols: dict[str, int] | None = None,
-                 balance_matrices: bool = False) -> list[Key]:
+                 wire_cost: WireCost | None = None) -> list[Key]:
     """params: (name, numel, dtype) in model order; buffers: (name, numel) in model order, keys of role
     buffer_role after the parameters' (float32). Parameters are cut into keys of balanced_chunk_bytes; greedy
     size balancing: largest key first onto the least-loaded shard (ties: lowest shard id). Returns keys in
     model order. cols (a matrix codec's job): parameter -> its matrix view's columns (matrix_cols); such a
     parameter is cut at whole rows, at chunk_bytes only (a factor pair costs (rows + cols) x rank, so every cut pays
-    for the columns again) or, balance_matrices, into balanced keys as a flat one."""
+    for the columns again) or, given the codec's wire_cost (keys=balanced), into the row blocks that balance the
+    shards' links by the bytes the codec sends (balanced_row_blocks)."""
     cols = {name: c for name, c in (cols or {}).items() if c > 0}
     if num_shards < 1:
         raise ValueError("num_shards must be >= 1")
@@ -96,20 +98,92 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
     if len(set(names)) != len(names):
         raise ValueError("parameter and buffer names must be unique")
     key_bytes = balanced_chunk_bytes(params, num_shards, chunk_bytes)
-    chunks = [(k, name, off, n, dtype, role)
-              for name, numel, dtype, role in entries
-              for k, off, n in split_param(name, numel, dtype,
-                                           chunk_bytes if role != PARAM or (name in cols and not balance_matrices)
-                                           else key_bytes, cols.get(name, 0) if role == PARAM else 0)]
-    load = [0] * num_shards
-    shard_of: dict[str, int] = {}
-    order = sorted(range(len(chunks)), key=lambda i: (-chunks[i][3] * itemsize(chunks[i][4]), i))
-    for i in order:
-        s = min(range(num_shards), key=lambda j: (load[j], j))
-        shard_of[chunks[i][0]] = s
-        load[s] += max(1, chunks[i][3] * itemsize(chunks[i][4]))
+    matrices = {name: (numel, dtype) for name, numel, dtype, role in entries if role == PARAM and name in cols}
+    blocks = ({name: chunk_bytes for name in matrices} if wire_cost is None else
+              balanced_row_blocks(matrices, cols, entries, num_shards, chunk_bytes, key_bytes, wire_cost))
+    chunks = _cut(entries, cols, chunk_bytes, key_bytes, blocks)
+    costs = [_chunk_cost(c, cols, wire_cost) for c in chunks]
+    shard_of = dict(zip((c[0] for c in chunks), _spread(costs, num_shards)))
     return [Key(k, name, off, n, dtype, shard_of[k], role, cols.get(name, 0) if role == PARAM else 0)
             for k, name, off, n, dtype, role in chunks]
+
+
+# what a key costs on the wire each way: its shape ((rows, cols) for a matrix key, (numel,) for a flat one) -> bytes
+# (None: unknown, the raw bytes count); the matrix codec's Codec.shaped_wire_nbytes
+WireCost = Callable[[tuple[int, ...]], "int | None"]
+
+
+def _cut(entries, cols: dict[str, int], chunk_bytes: int, key_bytes: int, blocks: dict[str, int]) -> list[tuple]:
+    """(key, param, offset, numel, dtype, role) of every key: a matrix in keys of blocks[name] bytes, another
+    parameter in keys of key_bytes, a buffer in keys of chunk_bytes."""
+    return [(k, name, off, n, dtype, role)
+            for name, numel, dtype, role in entries
+            for k, off, n in split_param(name, numel, dtype,
+                                         chunk_bytes if role != PARAM else blocks.get(name, key_bytes),
+                                         cols.get(name, 0) if role == PARAM else 0)]
+
+
+def _chunk_cost(chunk, cols: dict[str, int], wire_cost: WireCost | None) -> int:
+    _, name, _, n, dtype, role = chunk
+    raw = n * itemsize(dtype)
+    if wire_cost is None or role != PARAM:       # buffers always travel as float32
+        return max(1, raw)
+    c = cols.get(name, 0)
+    cost = wire_cost((n // c, c) if c else (n,))
+    return max(1, raw if cost is None else cost)
+
+
+def _spread(costs: list[int], num_shards: int) -> list[int]:
+    """Each chunk's shard: largest first onto the least-loaded shard (ties: lowest id, then model order)."""
+    load = [0] * num_shards
+    shard = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        s = min(range(num_shards), key=lambda j: (load[j], j))
+        shard[i] = s
+        load[s] += costs[i]
+    return shard
+
+
+def balanced_row_blocks(matrices: dict[str, tuple[int, str]], cols: dict[str, int], entries, num_shards: int,
+                        chunk_bytes: int, key_bytes: int, wire_cost: WireCost) -> dict[str, int]:
+    """Key bytes per matrix (whole rows) that balance the links by what the codec sends. Cutting a matrix costs
+    bytes — each row block's factor pair pays for the columns again — so the row blocks are chosen, not the raw
+    fair share: from the fewest blocks chunk_bytes allows, the matrix with a block on the busiest shard is cut
+    into one block more while that lowers the busiest shard's bytes (every worker sends each shard its keys, so
+    that shard's link is the round's slowest), ties to the fewer bytes in all. Independent of the worker count,
+    so a joiner computes the same layout. (The raw fair share cut clf's 768 x 768 weight into four at rank 32
+    and left the shard that also held the 768 x 64 weight twice the others' bytes.)"""
+    def rows_of(name):
+        return matrices[name][0] // cols[name]
+
+    def key_size(name, k):
+        per_rows = -(-rows_of(name) // k)
+        return per_rows * cols[name] * itemsize(matrices[name][1])
+
+    least = {name: max(1, -(-rows_of(name) // max(1, chunk_bytes // (cols[name] * itemsize(matrices[name][1])))))
+             for name in matrices}
+
+    def plan(ks):
+        chunks = _cut(entries, cols, chunk_bytes, key_bytes, {name: key_size(name, k) for name, k in ks.items()})
+        costs = [_chunk_cost(c, cols, wire_cost) for c in chunks]
+        shards = _spread(costs, num_shards)
+        load = [0] * num_shards
+        for s, c in zip(shards, costs):
+            load[s] += c
+        busiest = max(range(num_shards), key=lambda j: (load[j], -j))
+        on_busiest = sorted({chunks[i][1] for i, s in enumerate(shards) if s == busiest and chunks[i][1] in ks})
+        return (load[busiest], sum(costs)), on_busiest
+
+    ks = dict(least)
+    best, candidates = plan(ks)
+    while True:
+        trials = [(plan({**ks, name: ks[name] + 1})[0], name) for name in candidates
+                  if ks[name] < min(rows_of(name), num_shards * least[name])]
+        if not trials or min(trials)[0] >= best:
+            return {name: key_size(name, k) for name, k in ks.items()}
+        score, name = min(trials)
+        ks[name] += 1
+        best, candidates = plan(ks)
 
 
 def layout_digest(layout: list[Key], num_shards: int) -> str:

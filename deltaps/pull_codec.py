@@ -17,7 +17,7 @@ import hashlib
 import torch
 
 from compression import get_codec
-from compression.base import CodecError, parse_spec
+from compression.base import Codec, CodecError, parse_spec
 
 FULL, DELTA, UNCHANGED = 0, 1, 2
 DIGEST_BYTES = 16
@@ -65,10 +65,11 @@ def resolve_pull_residual(pull_residual: str, pull_spec: str, local_updates: boo
     return "drop" if local_updates and parse_spec(pull_spec or "none")[0] in DROP_UNDER else "carry"
 
 
-def matrix_keys(push_codec: str, pull_codec: str) -> str:
-    """How a job's layout cuts matrices (Codec.matrix_keys): the push codec's way, else the pull codec's; "": flat."""
+def matrix_codec(push_codec: str, pull_codec: str) -> Codec | None:
+    """The codec whose way the job's layout cuts matrices (Codec.matrix_keys): the push codec, else the pull codec;
+    None: flat keys."""
     push, pull = get_codec(push_codec or "none"), get_codec(resolve_pull_codec(pull_codec, push_codec))
-    return push.matrix_keys or pull.matrix_keys
+    return push if push.matrix_keys else (pull if pull.matrix_keys else None)
 
 
 def resolve_pull_codec(pull_codec: str, push_codec: str) -> str:

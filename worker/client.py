@@ -27,7 +27,7 @@ from deltaps.layout import (
     role_for_buffers,
 )
 from deltaps.optimizer_config import OptimizerConfig
-from deltaps.pull_codec import DELTA, FULL, matrix_keys, offered_digests
+from deltaps.pull_codec import DELTA, FULL, matrix_codec, offered_digests
 from deltaps.sync import parse_sync
 from deltaps.transport import DEFAULT_MAX_MESSAGE_BYTES, client_channels
 from deltaps.wire import accumulate_payload_into, chunk_from_tensor, fill_chunk, read_chunk
@@ -99,9 +99,11 @@ class PSClient:
         params = [(n, t.numel(), dtype_name(t.dtype)) for n, t in named]
         role = role_for_buffers(buffer_sync)
         bufs = [(n, t.numel()) for n, t in buffers] if role else []
-        cut = matrix_keys(self.codec, self.pull_codec)
-        cols = {n: matrix_cols(tuple(t.shape)) for n, t in named} if cut else None
-        self.layout = build_layout(params, len(self.servers), self.chunk_bytes, bufs, role, cols, cut == "balanced")
+        cutter = matrix_codec(self.codec, self.pull_codec)
+        cols = {n: matrix_cols(tuple(t.shape)) for n, t in named} if cutter else None
+        balanced = cutter is not None and cutter.matrix_keys == "balanced"
+        self.layout = build_layout(params, len(self.servers), self.chunk_bytes, bufs, role, cols,
+                                   cutter.shaped_wire_nbytes if balanced else None)
         self.by_param = defaultdict(list)
         for k in self.layout:
             self.by_param[k.param].append(k)

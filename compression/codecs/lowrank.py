@@ -21,6 +21,8 @@ bit-packed at `bits`. Form "dense": float32 scale per block | the codes. Header 
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -111,6 +113,15 @@ class LowRankCodec(Codec):
         m, n = shape
         r = min(self.rank, m, n)
         return r if r and (m + n) * r < m * n else 0
+
+    def shaped_wire_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+        rank = self.factored_rank(tuple(shape))
+        if rank:
+            m, n = shape
+            sections = _factor_sections(m, n, rank, self.bits)
+        else:
+            sections = _dense_sections(math.prod(shape), self.bits)
+        return sum(count * (4 if dt == torch.float32 else 1) for dt, count in sections)
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
         return self._encode(tensor, seed)[0]

@@ -6,7 +6,7 @@ import torch
 from compression import CodecError, ErrorFeedback, Payload, accumulate_payload, decode_payload, get_codec
 from compression.base import Codec
 from compression.codecs.lowrank import LowRankCodec
-from deltaps.pull_codec import matrix_keys, resolve_pull_codec, resolve_pull_residual
+from deltaps.pull_codec import matrix_codec, resolve_pull_codec, resolve_pull_residual
 
 
 def gen(seed: int) -> torch.Generator:
@@ -136,9 +136,20 @@ def test_corrupt_payloads_are_codec_errors():
 def test_a_round_codec_that_wants_matrix_keys():
     assert resolve_pull_codec("auto", "lowrank:rank=8") == "lowrank:rank=8,bits=4,iters=2,keys=whole"
     assert resolve_pull_residual("auto", "lowrank:rank=8,bits=4,iters=2") == "carry"     # measured: carry pays here
-    assert matrix_keys("lowrank", "auto") == "whole" == matrix_keys("int8", "lowrank:rank=4")
-    assert matrix_keys("lowrank:keys=balanced", "auto") == "balanced"
-    assert matrix_keys("chunktopk", "auto") == "" == matrix_keys("none", "none")
+    assert matrix_codec("lowrank", "auto").matrix_keys == "whole" == matrix_codec("int8", "lowrank:rank=4").matrix_keys
+    assert matrix_codec("int8", "lowrank:rank=4").spec().startswith("lowrank:rank=4,")     # the pull codec's way
+    assert matrix_codec("lowrank:keys=balanced", "auto").matrix_keys == "balanced"
+    assert matrix_codec("chunktopk", "auto") is None is matrix_codec("none", "none")
+
+
+def test_a_matrix_key_costs_what_the_codec_sends():
+    """The layout balances a keys=balanced job's shards by Codec.shaped_wire_nbytes: it must be the body compress()
+    produces, factors or dense codes."""
+    c = LowRankCodec(rank=32)
+    for shape in [(192, 768), (768, 64), (10, 768), (768,), (10,), (5, 3)]:
+        body = c.compress(torch.randn(*shape)).data
+        assert c.shaped_wire_nbytes(shape) == len(body), shape
+    assert c.shaped_wire_nbytes((192, 768)) < c.shaped_wire_nbytes((192 * 768,))     # factors beat the dense codes
 
 
 def test_the_codec_bench_measures_a_matrix_codec_on_a_matrix():
