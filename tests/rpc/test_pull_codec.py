@@ -187,20 +187,27 @@ def test_pull_residual_is_checked_where_it_is_set():
     assert resolve_pull_residual("carry", "chunktopk") == "carry" and resolve_pull_residual("drop", "int8") == "drop"
 
 
-def test_a_matrix_codec_gets_whole_row_keys_on_both_sides_of_the_wire(cluster_factory):
-    """lowrank: the layout cuts the (100, 50) weight at whole rows (8 KiB keys: 40 rows), the shards learn each key's
-    cols from its KeySpec, compress their pull deltas as (rows, 50) factor pairs, and every worker ends on the same
-    view; a KeySpec whose cols do not divide its elements is refused by name."""
+@pytest.mark.parametrize("keys", ["whole", "balanced"])
+def test_a_matrix_codec_gets_whole_row_keys_on_both_sides_of_the_wire(cluster_factory, keys):
+    """lowrank: the layout cuts the (100, 50) weight at whole rows (whole: 8 KiB keys, 40 rows; balanced: the row
+    blocks that even out the shards' bytes), the shards learn each key's cols from its KeySpec, compress their pull
+    deltas as (rows, 50) factor pairs, and every worker ends on the same view; a KeySpec whose cols do not divide
+    its elements is refused by name."""
     from deltaps.errors import ShardError
     from deltaps.optimizer_config import outer_optimizer_config
     from protos import pb
     from ps.buffers import key_from_spec
     c = cluster_factory(2)
-    cls = [client(c.addrs, r, 2, chunk_bytes=8192, codec="lowrank:rank=4,bits=8", local_steps=1,
+    cls = [client(c.addrs, r, 2, chunk_bytes=8192, codec=f"lowrank:rank=4,bits=8,keys={keys}", local_steps=1,
                   opt=outer_optimizer_config("avg")) for r in range(2)]
     for cl in cls:
         cl.setup([("w", torch.randn(100, 50, generator=torch.Generator().manual_seed(0))), ("b", torch.zeros(300))])
-    assert [(k.numel, k.cols) for k in cls[0].by_param["w"]] == [(2000, 50), (2000, 50), (1000, 50)]
+    if keys == "whole":
+        assert [(k.numel, k.cols) for k in cls[0].by_param["w"]] == [(2000, 50), (2000, 50), (1000, 50)]
+    else:       # within the 8 KiB key size (>= 3 blocks), spread so that both shards carry their share of the bytes
+        w = cls[0].by_param["w"]
+        assert len(w) >= 3 and all(k.cols == 50 and k.numel % 50 == 0 for k in w) and sum(k.numel for k in w) == 5000
+        assert {k.shard for k in w} == {0, 1}
     assert [k.cols for k in cls[0].by_param["b"]] == [0]
     views = [cl.pull(out=None, delta=True) for cl in cls]
     g = torch.Generator().manual_seed(1)
