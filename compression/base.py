@@ -42,7 +42,8 @@ class Codec:
     default_error_feedback = False
     stateful = False    # keeps per-key state on the sender (compress(..., key=...)); see DGC. Not a pull codec
     # "whole" | "balanced": compresses a matrix key as (rows, cols) (lowrank), so the layout cuts matrices at whole rows:
-    # only past the key size (whole) or also into the shards' fair shares (balanced); "": flat keys
+    # only past the key size (whole) or also into row blocks that even out the shards' bytes (balanced, weighed by
+    # shaped_wire_nbytes); "": flat keys
     matrix_keys = ""
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:

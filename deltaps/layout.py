@@ -76,6 +76,11 @@ def matrix_cols(shape: tuple[int, ...]) -> int:
     return 0 if len(shape) < 2 or not shape[0] else math.prod(shape) // shape[0]
 
 
+# what a key costs on the wire each way: its shape ((rows, cols) for a matrix key, (numel,) for a flat one) -> bytes
+# (None: unknown, the raw bytes count); the matrix codec's Codec.shaped_wire_nbytes
+WireCost = Callable[[tuple[int, ...]], "int | None"]
+
+
 def build_layout(params: list[tuple[str, int, str]], num_shards: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffers: list[tuple[str, int]] = (),
                  buffer_role: str = BUFFER_ROLES["broadcast"], cols: dict[str, int] | None = None,
@@ -106,11 +111,6 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
     shard_of = dict(zip((c[0] for c in chunks), _spread(costs, num_shards)))
     return [Key(k, name, off, n, dtype, shard_of[k], role, cols.get(name, 0) if role == PARAM else 0)
             for k, name, off, n, dtype, role in chunks]
-
-
-# what a key costs on the wire each way: its shape ((rows, cols) for a matrix key, (numel,) for a flat one) -> bytes
-# (None: unknown, the raw bytes count); the matrix codec's Codec.shaped_wire_nbytes
-WireCost = Callable[[tuple[int, ...]], "int | None"]
 
 
 def _cut(entries, cols: dict[str, int], chunk_bytes: int, key_bytes: int, blocks: dict[str, int]) -> list[tuple]:
@@ -181,8 +181,7 @@ def balanced_row_blocks(matrices: dict[str, tuple[int, str]], cols: dict[str, in
                   if ks[name] < min(rows_of(name), num_shards * least[name])]
         if not trials or min(trials)[0] >= best:
             return {name: key_size(name, k) for name, k in ks.items()}
-        score, name = min(trials)
-        ks[name] += 1
+        ks[min(trials)[1]] += 1
         best, candidates = plan(ks)
 
 
