@@ -148,41 +148,44 @@ def balanced_row_blocks(matrices: dict[str, tuple[int, str]], cols: dict[str, in
                         chunk_bytes: int, key_bytes: int, wire_cost: WireCost) -> dict[str, int]:
     """Key bytes per matrix (whole rows) that balance the links by what the codec sends. Cutting a matrix costs
     bytes — each row block's factor pair pays for the columns again — so the row blocks are chosen, not the raw
-    fair share: from the fewest blocks chunk_bytes allows, the matrix with a block on the busiest shard is cut
-    into one block more while that lowers the busiest shard's bytes (every worker sends each shard its keys, so
-    that shard's link is the round's slowest), ties to the fewer bytes in all. Independent of the worker count,
-    so a joiner computes the same layout. (The raw fair share cut clf's 768 x 768 weight into four at rank 32
-    and left the shard that also held the 768 x 64 weight twice the others' bytes.)"""
+    fair share: from the cut at chunk_bytes, the matrix with a block on the busiest shard is cut into one block
+    more (equal rows) while that lowers the busiest shard's bytes (every worker sends each shard its keys, so that
+    shard's link is the round's slowest) or, at the same, the number of shards that carry them, ties to the fewer
+    bytes in all; so the busiest shard never carries more than under the cut at chunk_bytes. Independent of the
+    worker count, so a joiner computes the same layout. (The raw fair share cut clf's 768 x 768 weight into four
+    at rank 32 and left the shard that also held the 768 x 64 weight twice the others' bytes.)"""
     def rows_of(name):
         return matrices[name][0] // cols[name]
 
-    def key_size(name, k):
-        per_rows = -(-rows_of(name) // k)
-        return per_rows * cols[name] * itemsize(matrices[name][1])
+    def row_bytes(name):
+        return cols[name] * itemsize(matrices[name][1])
 
-    least = {name: max(1, -(-rows_of(name) // max(1, chunk_bytes // (cols[name] * itemsize(matrices[name][1])))))
-             for name in matrices}
-
-    def plan(ks):
-        chunks = _cut(entries, cols, chunk_bytes, key_bytes, {name: key_size(name, k) for name, k in ks.items()})
+    def plan(per_rows):
+        chunks = _cut(entries, cols, chunk_bytes, key_bytes, {n: r * row_bytes(n) for n, r in per_rows.items()})
         costs = [_chunk_cost(c, cols, wire_cost) for c in chunks]
         shards = _spread(costs, num_shards)
         load = [0] * num_shards
         for s, c in zip(shards, costs):
             load[s] += c
         busiest = max(range(num_shards), key=lambda j: (load[j], -j))
-        on_busiest = sorted({chunks[i][1] for i, s in enumerate(shards) if s == busiest and chunks[i][1] in ks})
-        return (load[busiest], sum(costs)), on_busiest
+        on_busiest = sorted({chunks[i][1] for i, s in enumerate(shards) if s == busiest and chunks[i][1] in per_rows})
+        return (load[busiest], load.count(load[busiest]), sum(costs)), on_busiest
 
-    ks = dict(least)
-    best, candidates = plan(ks)
+    per = {name: max(1, chunk_bytes // row_bytes(name)) for name in matrices}      # rows per key at chunk_bytes
+    most = {name: num_shards * -(-rows_of(name) // per[name]) for name in matrices}
+    best, candidates = plan(per)
     while True:
-        trials = [(plan({**ks, name: ks[name] + 1})[0], name) for name in candidates
-                  if ks[name] < min(rows_of(name), num_shards * least[name])]
+        trials = []
+        for name in candidates:
+            blocks = -(-rows_of(name) // per[name]) + 1
+            finer = -(-rows_of(name) // blocks)
+            if blocks <= most[name] and finer < per[name]:
+                trials.append((plan({**per, name: finer})[0], name, finer))
         if not trials or min(trials)[0] >= best:
-            return {name: key_size(name, k) for name, k in ks.items()}
-        ks[min(trials)[1]] += 1
-        best, candidates = plan(ks)
+            return {name: r * row_bytes(name) for name, r in per.items()}
+        _, name, finer = min(trials)
+        per[name] = finer
+        best, candidates = plan(per)
 
 
 def layout_digest(layout: list[Key], num_shards: int) -> str:

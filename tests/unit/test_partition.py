@@ -1,3 +1,6 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from deltaps.layout import balanced_chunk_bytes, build_layout, layout_digest, shard_loads, split_param
 
 
@@ -51,10 +54,14 @@ def test_matrix_keys_are_whole_rows_and_never_cut_for_balance():
     assert layout_digest(build_layout(params, 4, cols={n: 0 for n in cols}), 4) == layout_digest(flat, 4)
 
 
+def _key_bytes(k, codec):
+    return codec.shaped_wire_nbytes((k.numel // k.cols, k.cols) if k.cols else (k.numel,))
+
+
 def _wire_loads(layout, num_shards, codec):
     load = [0] * num_shards
     for k in layout:
-        load[k.shard] += codec.shaped_wire_nbytes((k.numel // k.cols, k.cols) if k.cols else (k.numel,))
+        load[k.shard] += _key_bytes(k, codec)
     return load
 
 
@@ -92,3 +99,30 @@ def test_balanced_matrix_keys_even_out_the_bytes_each_shard_carries():
     big = build_layout([("w", 4096 * 512, "float32")], 4, chunk_bytes=1 << 20, cols={"w": 512},
                        wire_cost=codec.shaped_wire_nbytes)
     assert all(k.numel * 4 <= 1 << 20 for k in big) and len({k.shard for k in big}) == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.integers(1, 600)), min_size=1, max_size=6),
+       st.integers(1, 8), st.sampled_from([4, 16, 64]), st.sampled_from([1 << 16, 1 << 20]))
+def test_balanced_matrix_keys_hold_for_any_model(shapes, shards, rank, chunk_bytes):
+    """Any matrices, shard count, rank and key size: whole rows, every element once and in order, no key past
+    chunk_bytes, the same layout twice, and the busiest shard never carries more bytes than with the matrices cut at
+    chunk_bytes only (keys=whole, spread by the same bytes) — the row blocks only ever lower it."""
+    from compression import get_codec
+    codec = get_codec(f"lowrank:rank={rank},keys=balanced")
+    params = [(f"w{i}", r * c, "float32") for i, (r, c) in enumerate(shapes)] + [("b", 7, "float32")]
+    cols = {f"w{i}": c for i, (_, c) in enumerate(shapes)}
+    layout = build_layout(params, shards, chunk_bytes, cols=cols, wire_cost=codec.shaped_wire_nbytes)
+    assert layout == build_layout(list(params), shards, chunk_bytes, cols=dict(cols), wire_cost=codec.shaped_wire_nbytes)
+    for name, numel, _ in params:
+        keys = [k for k in layout if k.param == name]
+        assert [k.offset for k in keys] == [sum(j.numel for j in keys[:i]) for i in range(len(keys))]
+        assert sum(k.numel for k in keys) == numel
+        if name in cols:
+            assert all(k.cols == cols[name] and k.numel % cols[name] == 0 for k in keys)
+            assert all(k.numel * 4 <= max(chunk_bytes, cols[name] * 4) for k in keys)
+    # the reference: the cut at chunk_bytes only (keys=whole), its keys spread largest first by the codec's bytes
+    load = [0] * shards
+    for c in sorted(_key_bytes(k, codec) for k in build_layout(params, shards, chunk_bytes, cols=cols))[::-1]:
+        load[load.index(min(load))] += c
+    assert max(_wire_loads(layout, shards, codec)) <= max(load)
