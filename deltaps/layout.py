@@ -104,22 +104,23 @@ def build_layout(params: list[tuple[str, int, str]], num_shards: int,
         raise ValueError("parameter and buffer names must be unique")
     key_bytes = balanced_chunk_bytes(params, num_shards, chunk_bytes)
     matrices = {name: (numel, dtype) for name, numel, dtype, role in entries if role == PARAM and name in cols}
-    blocks = ({name: chunk_bytes for name in matrices} if wire_cost is None else
-              balanced_row_blocks(matrices, cols, entries, num_shards, chunk_bytes, key_bytes, wire_cost))
-    chunks = _cut(entries, cols, chunk_bytes, key_bytes, blocks)
+    matrix_key_bytes = ({name: chunk_bytes for name in matrices} if wire_cost is None else
+                        balanced_row_blocks(matrices, cols, entries, num_shards, chunk_bytes, key_bytes, wire_cost))
+    chunks = _cut(entries, cols, chunk_bytes, key_bytes, matrix_key_bytes)
     costs = [_chunk_cost(c, cols, wire_cost) for c in chunks]
     shard_of = dict(zip((c[0] for c in chunks), _spread(costs, num_shards)))
     return [Key(k, name, off, n, dtype, shard_of[k], role, cols.get(name, 0) if role == PARAM else 0)
             for k, name, off, n, dtype, role in chunks]
 
 
-def _cut(entries, cols: dict[str, int], chunk_bytes: int, key_bytes: int, blocks: dict[str, int]) -> list[tuple]:
-    """(key, param, offset, numel, dtype, role) of every key: a matrix in keys of blocks[name] bytes, another
+def _cut(entries, cols: dict[str, int], chunk_bytes: int, key_bytes: int,
+         matrix_key_bytes: dict[str, int]) -> list[tuple]:
+    """(key, param, offset, numel, dtype, role) of every key: a matrix in keys of matrix_key_bytes[name], another
     parameter in keys of key_bytes, a buffer in keys of chunk_bytes."""
     return [(k, name, off, n, dtype, role)
             for name, numel, dtype, role in entries
             for k, off, n in split_param(name, numel, dtype,
-                                         chunk_bytes if role != PARAM else blocks.get(name, key_bytes),
+                                         chunk_bytes if role != PARAM else matrix_key_bytes.get(name, key_bytes),
                                          cols.get(name, 0) if role == PARAM else 0)]
 
 
