@@ -57,3 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     except JobFailed as e:     # the workers' own errors are in the message; the launcher's stack says nothing
         print(f"deltaps {args.cmd}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the command's own cleanup ran on the way out; its stack is noise
+        print(f"deltaps {args.cmd}: interrupted", file=sys.stderr)
+        return 130

@@ -29,8 +29,13 @@ def run(args) -> int:
     check_job(cfg)       # the mode's and the workload's rules, before any process starts
 
     from deltaps.security import LaunchSecurity
-    summary = launch(cfg, args.json, metrics=args.metrics, security=LaunchSecurity.from_args(args),
-                     server_args=shlex.split(args.server_args or ""), zygote=not args.no_zygote)
+    from deltaps.tools.children import install_signal_handlers, restore_signal_handlers
+    old = install_signal_handlers()     # a SIGTERM stops the shards and workers as a Ctrl-C does, not orphans them
+    try:
+        summary = launch(cfg, args.json, metrics=args.metrics, security=LaunchSecurity.from_args(args),
+                         server_args=shlex.split(args.server_args or ""), zygote=not args.no_zygote)
+    finally:
+        restore_signal_handlers(old)
     print_summary(summary)
     long = ("per_worker", "server_stats", "loss_curve_rank0", "bytes_pushed_wire_steps_rank0")   # in --json
     print(json.dumps({k: v for k, v in summary.items() if k not in long}, indent=2))

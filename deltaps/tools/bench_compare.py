@@ -27,6 +27,7 @@ from deltaps.config import DEVICES, save_config
 from deltaps.strategies import parse_mode_spec, split_mode_specs
 from deltaps.tools import bench_faults, bench_figures, bench_plot, bench_protocol, bench_report, bench_seeds, cpu_roles, netns
 from deltaps.tools.bench_nodes import Nodes, cpu_figures, topology_nodes
+from deltaps.tools.children import install_signal_handlers, restore_signal_handlers
 from deltaps.tools.cpu_caps import CapsUnavailable, CpuCaps
 from deltaps.tools.launch import free_port, start_lighthouse, wait_port_file, workers_failed
 from deltaps.tools.process_tree import stop_processes
@@ -291,7 +292,7 @@ def compare(args) -> dict:
     net = Nodes(topo, caps, servers=args.servers, workers=args.workers, colocate=args.colocate,
                 zygotes=not args.no_zygotes, workdir=os.path.join(tmp, "zygotes"))
     report["network"]["colocated"] = args.colocate
-    old = netns.install_signal_handlers()
+    old = install_signal_handlers()
     try:
         if topo:
             topo.up()
@@ -364,7 +365,7 @@ def compare(args) -> dict:
             topo.down()
             left = netns.list_leftovers(topo.prefix)
             report["network"]["teardown_clean"] = not (left["netns"] or left["links"])
-        netns.restore_signal_handlers(old)
+        restore_signal_handlers(old)
     report["failed_runs"] = failed = [spec + (" (healthy)" if store is healthy else "") for store in (runs, healthy)
                                       for spec, r in store.items() if any("error" in m for m in r)]
     if args.keep_logs or failed:      # a failed run's error names its directory in tmp: keep it

@@ -4,6 +4,7 @@ whatever its cwd (children may run under `ip netns exec` from anywhere)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 # deltaps/tools/children.py -> the checkout holding deltaps/, ps/, worker/
@@ -29,3 +30,22 @@ def run_program(programs: dict, argv: list[str], module: str) -> int:
         return 2
     programs[argv[0]][1](*argv[1:])
     return 0
+
+
+def install_signal_handlers() -> dict:
+    """SIGTERM/SIGHUP -> SystemExit, so a program's `finally` blocks run (its children stopped, network namespaces
+    torn down, scratch removed) when a supervisor (timeout, systemd, a pod's deletion) ends it as it ends a Ctrl-C;
+    returns the old handlers."""
+    old = {}
+
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        old[sig] = signal.signal(sig, handler)
+    return old
+
+
+def restore_signal_handlers(old: dict) -> None:
+    for sig, h in old.items():
+        signal.signal(sig, h)

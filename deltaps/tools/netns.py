@@ -16,7 +16,8 @@ applied and `latency_applied` says so.
 
 Cleanup: `down()` deletes the namespaces (which destroys their veths and the bridge); `up()` first
 removes anything left with the same prefix by a crashed run. Use as a context manager, and let the
-caller turn SIGTERM/SIGINT into exceptions so `finally`/`__exit__` runs (see install_signal_handlers).
+caller turn SIGTERM/SIGHUP into exceptions so `finally`/`__exit__` runs (deltaps/tools/children.py
+install_signal_handlers).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -277,23 +277,6 @@ def link_burst_bytes(rate_bps: float) -> int:
 def measure_throughput(topo: Topology, src: int, dst: int, nbytes: int = 8 << 20, port: int = 5201) -> float:
     """Bits per second of one TCP stream from node src to node dst (Python sockets, no iperf needed)."""
     return nbytes * 8 / stream_seconds(topo, [(src, dst)], port, nbytes)[0]
-
-
-def install_signal_handlers() -> dict:
-    """SIGTERM/SIGHUP -> SystemExit, so `finally` blocks (namespace teardown) run; returns the old handlers."""
-    old = {}
-
-    def handler(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        old[sig] = signal.signal(sig, handler)
-    return old
-
-
-def restore_signal_handlers(old: dict) -> None:
-    for sig, h in old.items():
-        signal.signal(sig, h)
 
 
 if __name__ == "__main__":   # python -m deltaps.tools.netns [cleanup|selftest RATE]

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -183,3 +184,38 @@ def test_a_worker_past_its_deadline_is_asked_where_it_waits(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_launcher_ended_by_a_signal_stops_its_shards_and_workers(tmp_path, sig, code):
+    """A supervisor (timeout, systemd, a pod's deletion) ends `deltaps launch` with SIGTERM, a user with Ctrl-C: it
+    stops its shards and workers and removes its scratch, then exits with one line, no stack (found: shards of a job
+    whose launcher got SIGTERM still serving, reparented to init)."""
+    from deltaps.tools.process_tree import descendants, running
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = subprocess.Popen(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--servers", "1", "--workers", "1",
+                                       "--steps", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)})
+    kids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids) < 3 or not list(scratch.glob("deltaps-*/worker0.log")):     # its zygote, a shard, a worker
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.1)
+            kids = descendants(proc.pid)
+        proc.send_signal(sig)
+        assert proc.wait(60) == code
+        out = proc.stdout.read()
+        assert "Traceback" not in out and (sig != signal.SIGINT or "deltaps launch: interrupted" in out), out
+        deadline = time.monotonic() + 30
+        while any(running(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if running(k)], "a shard or worker outlived its launcher"
+        assert not list(scratch.glob("deltaps-*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for k in kids:
+            if running(k):
+                os.kill(k, 9)
