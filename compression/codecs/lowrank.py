@@ -47,8 +47,8 @@ OVERSAMPLE = 4         # extra columns of the range finder (Halko et al.'s p)
 DENSE_BLOCK = 4096     # dense form: one scale per block of this many values
 FORMS = ("factors", "dense")
 # the layout of a job under it (deltaps/layout.py): whole = a matrix one key up to the key size (fewest bytes: a pair
-# costs (rows + cols) x rank, a cut pays for the columns again); balanced = cut at whole rows into the shards' fair
-# shares as flat keys are (every shard's link carries its share; whole puts a big matrix's traffic on one shard)
+# costs (rows + cols) x rank, a cut pays for the columns again); balanced = cut at whole rows into the blocks that
+# give every shard about the same bytes, weighed by shaped_wire_nbytes (whole puts a big matrix's traffic on one shard)
 KEYS = ("whole", "balanced")
 
 

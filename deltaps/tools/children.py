@@ -33,16 +33,24 @@ def run_program(programs: dict, argv: list[str], module: str) -> int:
 
 
 def install_signal_handlers() -> dict:
-    """SIGTERM/SIGHUP -> SystemExit, so a program's `finally` blocks run (its children stopped, network namespaces
-    torn down, scratch removed) when a supervisor (timeout, systemd, a pod's deletion) ends it as it ends a Ctrl-C;
-    returns the old handlers."""
+    """SIGTERM/SIGHUP -> SystemExit and SIGINT -> KeyboardInterrupt, so a program's `finally` blocks run (its
+    children stopped, network namespaces torn down, scratch removed) when a supervisor (timeout, systemd, a pod's
+    deletion) or a Ctrl-C ends it. The first one in makes the program ignore the rest: a second Ctrl-C or a resent
+    SIGTERM would cut that cleanup short. A signal the program was started ignoring (nohup's SIGHUP, a background
+    job's SIGINT) stays ignored. Returns the old handlers."""
+    managed = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
     old = {}
 
     def handler(signum, _frame):
+        for sig in old:
+            signal.signal(sig, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        old[sig] = signal.signal(sig, handler)
+    for sig in managed:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            old[sig] = signal.signal(sig, handler)
     return old
 
 

@@ -196,7 +196,11 @@ def test_a_launcher_ended_by_a_signal_stops_its_shards_and_workers(tmp_path, sig
     scratch.mkdir()
     proc = subprocess.Popen(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--servers", "1", "--workers", "1",
                                        "--steps", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)})
+                            cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)},
+                            preexec_fn=lambda: (signal.signal(sig, signal.SIG_DFL), signal.signal(signal.SIGHUP,
+                                                                                                  signal.SIG_IGN)))
+    # started as `nohup` starts it (SIGHUP ignored: it stays ignored), with the signal under test at its default (a
+    # test run in the background would otherwise hand SIGINT down ignored)
     kids = []
     try:
         deadline = time.monotonic() + 120
@@ -204,7 +208,12 @@ def test_a_launcher_ended_by_a_signal_stops_its_shards_and_workers(tmp_path, sig
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.1)
             kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGHUP)         # the terminal closing under nohup: nothing stops
+        time.sleep(0.5)
+        assert proc.poll() is None and all(running(k) for k in kids)
         proc.send_signal(sig)
+        time.sleep(0.2)
+        proc.send_signal(sig)       # a second one (Ctrl-C twice, a resent SIGTERM) does not cut the cleanup short
         assert proc.wait(60) == code
         out = proc.stdout.read()
         assert "Traceback" not in out and (sig != signal.SIGINT or "deltaps launch: interrupted" in out), out
