@@ -118,10 +118,8 @@ class LowRankCodec(Codec):
         rank = self.factored_rank(tuple(shape))
         if rank:
             m, n = shape
-            sections = _factor_sections(m, n, rank, self.bits)
-        else:
-            sections = _dense_sections(math.prod(shape), self.bits)
-        return sum(count * (4 if dt == torch.float32 else 1) for dt, count in sections)
+            return wire.body_size(_factor_sections(m, n, rank, self.bits))
+        return wire.body_size(_dense_sections(math.prod(shape), self.bits))
 
     def compress(self, tensor: torch.Tensor, *, seed: int = 0, key: str | None = None) -> Payload:
         return self._encode(tensor, seed)[0]
