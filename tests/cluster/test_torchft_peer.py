@@ -152,8 +152,12 @@ def test_deltaps_lighthouse_waits_for_a_heartbeating_replica_as_torchft_lighthou
         [t.start() for t in asking]
         [t.join(30) for t in asking]
         assert quorums == {"a": None, "b": None}     # 2 of 3 would do, but "late" heartbeats: it is waited for
+        # "a" and "b" ask again before "late" joins: their first requests, timed out on this side, may still be held
+        # by the Lighthouse, and a "late" in first would complete a quorum with those and leave the new ones waiting
         asking = [threading.Thread(target=ask, args=(r, 20)) for r in ("a", "b", "late")]
-        [t.start() for t in asking]
+        [t.start() for t in asking[:2]]
+        time.sleep(0.5)
+        asking[2].start()
         [t.join(30) for t in asking]
         assert [sorted(m.replica_id for m in quorums[r].participants) for r in ("a", "late")] == [["a", "b", "late"]] * 2
     finally:
