@@ -44,6 +44,7 @@ def install_signal_handlers() -> dict:
     def handler(signum, _frame):
         for sig in old:
             signal.signal(sig, signal.SIG_IGN)
+        old.clear()      # the program is ending: a restore on its way out must not re-arm the default (a kill)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
