@@ -20,7 +20,8 @@ namespace only to a single thread).
 What a child does not get afresh: modules imported before the fork (frozen out of the garbage collector, gc.freeze,
 so a child's collections neither walk them nor copy their pages), and environment variables torch reads at import
 (the zygote's environment, i.e. the caller's, holds for those). Python's `random` reseeds at fork itself. `ps`
-shows a child with the zygote's command line. A zygote stops on SIGTERM, or by itself once its caller is gone.
+shows a child with the zygote's command line. A zygote stops on SIGTERM, or by itself once its caller is gone; either
+way it stops the children still running (a caller killed with SIGKILL could not).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ POLL_S = 0.05                                      # how soon a child's exit is 
 MAX_REQUEST_BYTES = 1 << 20                        # argv + environment: far below; more is not a deltaps caller
 HANDSHAKE_S = 60.0          # a caller waits this long for a zygote's answer ({"pid"}: it forks at once when serving)
 UNKNOWN_EXIT = 255          # a child that outlived its zygote: its exit status is lost, so it counts as failed
+STOP_GRACE_S = 10.0         # a zygote on its way out gives its children this long to end on SIGTERM
 
 
 # ---- the zygote ---------------------------------------------------------------------------------------------------
@@ -115,7 +117,31 @@ def serve(path: str) -> tuple[dict, list[int]]:
         children[pid] = conn
     listener.close()
     os.unlink(path)
+    stop_children(children)
     return {}, []
+
+
+def stop_children(children: dict[int, socket.socket], grace: float = STOP_GRACE_S) -> None:
+    """On the zygote's way out, the children still running (its caller was killed with SIGKILL and could not stop
+    them; found: shards serving on, reparented to init): SIGTERM (a shard's final checkpoint), then within one shared
+    grace SIGKILL them and whatever they started."""
+    for pid in list(children):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while children and time.monotonic() < deadline:
+        reap(children)
+        time.sleep(POLL_S)
+    for pid in list(children):
+        kill_descendants(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        children.pop(pid).close()
 
 
 def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:

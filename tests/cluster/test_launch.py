@@ -228,3 +228,33 @@ def test_a_launcher_ended_by_a_signal_stops_its_shards_and_workers(tmp_path, sig
         for k in kids:
             if running(k):
                 os.kill(k, 9)
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_shard_or_worker_running(tmp_path):
+    """SIGKILL (the OOM killer, `kill -9`) cannot be handled: the launcher's zygote, seeing its caller gone, stops the
+    shards and workers it forked (found: they served on, reparented to init)."""
+    from deltaps.tools.process_tree import descendants, running
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = subprocess.Popen(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--servers", "2", "--workers", "2",
+                                       "--steps", "1000000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)})
+    kids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids) < 5 or len(list(scratch.glob("deltaps-*/worker*.log"))) < 2:   # zygote, 2 shards, 2 workers
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+            kids = descendants(proc.pid)
+        proc.kill()
+        assert proc.wait(10) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while any(running(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if running(k)], "a shard or worker outlived its launcher's SIGKILL"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for k in kids:
+            if running(k):
+                os.kill(k, 9)
