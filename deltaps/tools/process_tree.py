@@ -68,6 +68,35 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
+def stop_children(pids: list[int], grace: float = 10.0) -> None:
+    """Children of this process known by pid (a zygote's forks): SIGTERM all at once, reap them within one shared grace,
+    SIGKILL whoever outlasts it and whatever it started."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    left, deadline = set(pids), time.monotonic() + grace
+    while left:
+        for pid in list(left):
+            try:
+                gone = os.waitpid(pid, os.WNOHANG)[0] == pid
+            except ChildProcessError:       # reaped already
+                gone = True
+            if gone:
+                left.discard(pid)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for pid in left:
+        kill_descendants(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
 STACKS_SIGNAL = signal.SIGUSR1      # a deltaps worker writes every thread's stack to its log on it (faulthandler)
 
 

@@ -40,7 +40,7 @@ import time
 
 from deltaps.errors import JobFailed
 from deltaps.tools import node_host
-from deltaps.tools.process_tree import kill_descendants, running, stop_processes
+from deltaps.tools.process_tree import kill_descendants, running, stop_children, stop_processes
 
 # what costs a start its ~2 s of a core, then deltaps' own modules that every shard and worker imports (~0.15 s of a
 # core each where bytecode is not cached, PYTHONDONTWRITEBYTECODE; none of them starts a thread or reads the
@@ -117,31 +117,11 @@ def serve(path: str) -> tuple[dict, list[int]]:
         children[pid] = conn
     listener.close()
     os.unlink(path)
-    stop_children(children)
+    # what still runs: a caller killed with SIGKILL could not stop it (found: shards serving on, reparented to init)
+    stop_children(list(children), STOP_GRACE_S)
+    for conn in children.values():
+        conn.close()
     return {}, []
-
-
-def stop_children(children: dict[int, socket.socket], grace: float = STOP_GRACE_S) -> None:
-    """On the zygote's way out, the children still running (its caller was killed with SIGKILL and could not stop
-    them; found: shards serving on, reparented to init): SIGTERM (a shard's final checkpoint), then within one shared
-    grace SIGKILL them and whatever they started."""
-    for pid in list(children):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace
-    while children and time.monotonic() < deadline:
-        reap(children)
-        time.sleep(POLL_S)
-    for pid in list(children):
-        kill_descendants(pid)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-        children.pop(pid).close()
 
 
 def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deltaps.tools import netns, node_host
-from deltaps.tools.process_tree import running, stat_fields, stop_processes
+from deltaps.tools.process_tree import descendants, running, stat_fields, stop_children, stop_processes
 from deltaps.tools.zygote import MAX_REQUEST_BYTES, UNKNOWN_EXIT, Zygote, ZygoteUnavailable
 
 OK, WHY = netns.shaping_available()
@@ -160,6 +160,28 @@ def test_a_zygote_whose_caller_died_stops_serving(tmp_path):
             caller.kill()
         if pid is not None and os.path.exists(f"/proc/{pid}"):     # a zygote that served on: not left behind
             os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_children_ends_a_polite_child_at_once_and_a_deaf_one_with_what_it_started_after_the_grace():
+    """What a zygote does on its way out (stop_children): SIGTERM; a child that ignores it is killed after the grace,
+    with its own child; both are reaped (no zombie left)."""
+    polite = subprocess.Popen(["sleep", "60"])
+    deaf = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "deaf_parent.py")], stdout=subprocess.PIPE,
+                            text=True)
+    assert deaf.stdout.readline().strip() == "ready"
+    grandchild = descendants(deaf.pid)
+    assert len(grandchild) == 1
+    t0 = time.monotonic()
+    stop_children([polite.pid, deaf.pid], grace=1.0)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 10, took            # the deaf one held it to the grace, no longer
+    for pid in (polite.pid, deaf.pid):       # reaped by stop_children: no such child any more
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    deadline = time.monotonic() + 5
+    while running(grandchild[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(grandchild[0])
 
 
 def test_a_zygote_that_cannot_start_says_so(tmp_path):
