@@ -168,7 +168,8 @@ def test_stop_children_ends_a_polite_child_at_once_and_a_deaf_one_with_what_it_s
     polite = subprocess.Popen(["sleep", "60"])
     deaf = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "deaf_parent.py")], stdout=subprocess.PIPE,
                             text=True)
-    assert deaf.stdout.readline().strip() == "ready"
+    with deaf.stdout:
+        assert deaf.stdout.readline().strip() == "ready"
     grandchild = descendants(deaf.pid)
     assert len(grandchild) == 1
     t0 = time.monotonic()
