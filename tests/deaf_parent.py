@@ -1,5 +1,5 @@
 """A child that ignores SIGTERM and has a child of its own (what a zygote's stop_children must kill after its grace):
-starts `sleep 60`, prints "ready", then sleeps 60 s.
+ignores SIGTERM, then starts `sleep 60` and sleeps 60 s itself.
 
     python tests/deaf_parent.py
 """
@@ -10,5 +10,4 @@ import time
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     subprocess.Popen(["sleep", "60"])
-    print("ready", flush=True)
     time.sleep(60)

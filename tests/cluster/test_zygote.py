@@ -165,18 +165,18 @@ def test_a_zygote_whose_caller_died_stops_serving(tmp_path):
 def test_stop_children_ends_a_polite_child_at_once_and_a_deaf_one_with_what_it_started_after_the_grace():
     """What a zygote does on its way out (stop_children): SIGTERM; a child that ignores it is killed after the grace,
     with its own child; both are reaped (no zombie left)."""
-    polite = subprocess.Popen(["sleep", "60"])
-    deaf = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "deaf_parent.py")], stdout=subprocess.PIPE,
-                            text=True)
-    with deaf.stdout:
-        assert deaf.stdout.readline().strip() == "ready"
-    grandchild = descendants(deaf.pid)
-    assert len(grandchild) == 1
+    # spawned by pid, as a zygote's forks are (a Popen would warn that a child reaped behind its back still runs)
+    polite = os.posix_spawnp("sleep", ["sleep", "60"], os.environ)
+    deaf = os.posix_spawn(sys.executable, [sys.executable, str(Path(__file__).parents[1] / "deaf_parent.py")], os.environ)
+    deadline = time.monotonic() + 30
+    while not (grandchild := descendants(deaf)):      # it ignores SIGTERM before it starts its child
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     t0 = time.monotonic()
-    stop_children([polite.pid, deaf.pid], grace=1.0)
+    stop_children([polite, deaf], grace=1.0)
     took = time.monotonic() - t0
     assert 1.0 <= took < 10, took            # the deaf one held it to the grace, no longer
-    for pid in (polite.pid, deaf.pid):       # reaped by stop_children: no such child any more
+    for pid in (polite, deaf):               # reaped by stop_children: no such child any more
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
     deadline = time.monotonic() + 5
