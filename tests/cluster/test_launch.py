@@ -1,4 +1,5 @@
 """End to end with real processes on loopback: `deltaps launch`, and the rollback switch on a live job."""
+import contextlib
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import CONFIG, DELTAPS, ROOT, client, start_program
 
-from deltaps.tools.process_tree import stop_processes
+from deltaps.tools.process_tree import descendants, running, stop_processes
 
 pytestmark = pytest.mark.slow
 SUMMARY_KEYS = {"mode", "sync", "codec", "workers", "servers", "steps", "final_test_accuracy", "wall_s",
@@ -186,12 +187,39 @@ def test_a_worker_past_its_deadline_is_asked_where_it_waits(tmp_path):
         other.wait()
 
 
+@contextlib.contextmanager
+def launch_tree(proc: subprocess.Popen, scratch: Path, servers: int, workers: int):
+    """The pids of a running `deltaps launch`'s zygote, shards and workers, once each of its workers has a log;
+    on the way out the launcher and whatever of them is left are killed."""
+    kids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids) < 1 + servers + workers or len(list(scratch.glob("deltaps-*/worker*.log"))) < workers:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()
+            time.sleep(0.1)
+            kids = descendants(proc.pid)
+        yield kids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for k in kids:
+            if running(k):
+                os.kill(k, 9)
+
+
+def outliving(kids: list[int], within_s: float = 30.0) -> list[int]:
+    """Those of kids still running after up to within_s."""
+    deadline = time.monotonic() + within_s
+    while any(running(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [k for k in kids if running(k)]
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_launcher_ended_by_a_signal_stops_its_shards_and_workers(tmp_path, sig, code):
     """A supervisor (timeout, systemd, a pod's deletion) ends `deltaps launch` with SIGTERM, a user with Ctrl-C: it
     stops its shards and workers and removes its scratch, then exits with one line, no stack (found: shards of a job
     whose launcher got SIGTERM still serving, reparented to init)."""
-    from deltaps.tools.process_tree import descendants, running
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     proc = subprocess.Popen(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--servers", "1", "--workers", "1",
@@ -201,13 +229,7 @@ def test_a_launcher_ended_by_a_signal_stops_its_shards_and_workers(tmp_path, sig
                                                                                                   signal.SIG_IGN)))
     # started as `nohup` starts it (SIGHUP ignored: it stays ignored), with the signal under test at its default (a
     # test run in the background would otherwise hand SIGINT down ignored)
-    kids = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(kids) < 3 or not list(scratch.glob("deltaps-*/worker0.log")):     # its zygote, a shard, a worker
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.1)
-            kids = descendants(proc.pid)
+    with launch_tree(proc, scratch, servers=1, workers=1) as kids:
         proc.send_signal(signal.SIGHUP)         # the terminal closing under nohup: nothing stops
         time.sleep(0.5)
         assert proc.poll() is None and all(running(k) for k in kids)
@@ -217,44 +239,19 @@ def test_a_launcher_ended_by_a_signal_stops_its_shards_and_workers(tmp_path, sig
         assert proc.wait(60) == code
         out = proc.stdout.read()
         assert "Traceback" not in out and (sig != signal.SIGINT or "deltaps launch: interrupted" in out), out
-        deadline = time.monotonic() + 30
-        while any(running(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if running(k)], "a shard or worker outlived its launcher"
+        assert not outliving(kids), "a shard or worker outlived its launcher"
         assert not list(scratch.glob("deltaps-*"))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for k in kids:
-            if running(k):
-                os.kill(k, 9)
 
 
 def test_a_launcher_killed_with_sigkill_leaves_no_shard_or_worker_running(tmp_path):
     """SIGKILL (the OOM killer, `kill -9`) cannot be handled: the launcher's zygote, seeing its caller gone, stops the
     shards and workers it forked (found: they served on, reparented to init)."""
-    from deltaps.tools.process_tree import descendants, running
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     proc = subprocess.Popen(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--servers", "2", "--workers", "2",
                                        "--steps", "1000000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)})
-    kids = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(kids) < 5 or len(list(scratch.glob("deltaps-*/worker*.log"))) < 2:   # zygote, 2 shards, 2 workers
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-            kids = descendants(proc.pid)
+    with launch_tree(proc, scratch, servers=2, workers=2) as kids:
         proc.kill()
         assert proc.wait(10) == -signal.SIGKILL
-        deadline = time.monotonic() + 30
-        while any(running(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if running(k)], "a shard or worker outlived its launcher's SIGKILL"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for k in kids:
-            if running(k):
-                os.kill(k, 9)
+        assert not outliving(kids), "a shard or worker outlived its launcher's SIGKILL"
