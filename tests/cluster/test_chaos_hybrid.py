@@ -64,8 +64,12 @@ def _run(tmp: Path, kill_at=None):
         outage = None
         if kill_at is not None:
             seen = []
-            _wait(lambda: seen.append(_emb_version(addrs[1]) or 0) or seen[-1] >= kill_at,
-                  f"shard 1 at version {kill_at}")
+
+            def due() -> bool:      # a kill before shard 1's first checkpoint leaves nothing to restore (found once)
+                has_checkpoint = any(ckpt.glob("shard1-*.ckpt"))    # looked at first: its version <= the one read next
+                seen.append(_emb_version(addrs[1]) or 0)
+                return has_checkpoint and seen[-1] >= kill_at
+            _wait(due, f"shard 1 at version {kill_at} with a checkpoint written")
             servers[1].send_signal(signal.SIGKILL)
             servers[1].wait(10)
             t_kill = time.monotonic()
