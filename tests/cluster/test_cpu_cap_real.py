@@ -65,9 +65,11 @@ def test_bench_compare_caps_every_worker_and_slows_the_straggler_by_its_cap(tmp_
     r = json.loads(out.read_text())
     assert r["cpu_caps"]["cores_per_worker"] == 0.5
     m = r["modes"]["ddp"]
-    # alone 2.1-2.5; in a full `make test` 1.37 once: the other worker then may not get its own 0.5 core (its steps
-    # slow too, the ratio shrinks), while a cap that did not hold would leave it near 1
-    assert m["straggler"]["how"] == "cpu cap / factor" and 1.25 <= m["straggler"]["achieved_factor"] <= 3.0, m["straggler"]
+    # The healthy worker waits out the straggler in every allreduce, so it seldom spends its 0.5-core quota and computes
+    # at up to a whole free core: the factor lies between F (both held to their caps) and F x 1 / 0.5 = 4 (alone
+    # 2.1-2.5; 3.02-3.05 in two fresh clones' `make test`; 1.37 once when the other worker did not get its own core
+    # either). A cap that did not hold leaves it near 1; one applied twice, near 4-8.
+    assert m["straggler"]["how"] == "cpu cap / factor" and 1.25 <= m["straggler"]["achieved_factor"] <= 4.0, m["straggler"]
     assert len(m["cpu_s_per_worker"]) == 2 and all(c > 0 for c in m["cpu_s_per_worker"])
     assert m["throttled_s_per_worker"][1] > 0                  # the straggler was held to its cap
     assert m["healthy_time_to_target_s"] is None and m["goodput"] is None      # no target: nothing to compare
