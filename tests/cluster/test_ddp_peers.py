@@ -4,13 +4,12 @@
 All runs start at once (module fixture) so that the whole file stays well under a minute on 2 cores."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from deltaps.cli import main as cli_main
 from deltaps.tools.launch import free_port, launch
+from deltaps.tools.zygote import Zygote
 from worker.trainers.collective import ring_bytes
 from worker.trainers.ddp_hooks import parse_ddp_hook
 from worker.trainers.strategy import load_job as load_config
@@ -43,26 +42,33 @@ def _flags(job: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp-peers")
+    # forked from one zygote (as `deltaps launch` starts its workers): 14 fresh interpreters importing torch at once
+    # cost ~20 s of the 2 cores before any rank trained
+    zygote = Zygote(str(tmp / "z.sock"), log=str(tmp / "z.log")).ready()
     procs = {}
-    for name, extra in RUNS.items():
-        port = free_port()
-        procs[name] = [subprocess.Popen(
-            [sys.executable, "-m", "deltaps", "worker", "--mode", "allreduce", "--rank", str(r), "--world-size", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(port), "--result-json", str(tmp / f"{name}{r}.json"),
-             *_flags(JOB), *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    try:   # meanwhile: fp16 through `deltaps launch --mode allreduce --ddp-hook fp16`
+    try:
+        for name, extra in RUNS.items():
+            port = free_port()
+            procs[name] = []
+            for r in range(2):
+                with open(tmp / f"{name}{r}.log", "w") as log:
+                    procs[name].append(zygote.spawn(
+                        ["worker", "--mode", "allreduce", "--rank", str(r), "--world-size", "2", "--master-addr",
+                         "127.0.0.1", "--master-port", str(port), "--result-json", str(tmp / f"{name}{r}.json"),
+                         *_flags(JOB), *extra], log, cwd=ROOT))
+        # meanwhile: fp16 through `deltaps launch --mode allreduce --ddp-hook fp16`
         fp16 = launch(load_config(None, {**JOB, "mode": "allreduce", "workers": 2, "ddp_hook": "fp16"}), quiet=True)
-    finally:
         out = {}
         for name, ps in procs.items():
-            for p in ps:
-                try:
-                    log, _ = p.communicate(timeout=120)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    log, _ = p.communicate()
-                assert p.returncode == 0, f"{name}: exit {p.returncode}\n{log.decode()[-3000:]}"
+            for r, p in enumerate(ps):
+                rc = p.wait(120)
+                assert rc == 0, f"{name}: exit {rc}\n{(tmp / f'{name}{r}.log').read_text()[-3000:]}"
             out[name] = [json.load(open(tmp / f"{name}{r}.json")) for r in range(2)]
+    finally:
+        for p in (p for ps in procs.values() for p in ps):
+            if p.poll() is None:
+                p.kill()
+        zygote.stop()
     out["fp16"] = fp16
     return out
 
