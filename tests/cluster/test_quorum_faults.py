@@ -30,12 +30,13 @@ def test_a_killed_worker_does_not_stall_the_rounds(procs, tmp_path):
     workers[2].wait(10)
     killed = time.monotonic()
     v0 = stats(addrs[0]).min_version
-    wait_version(addrs[0], v0 + 5, timeout=EVICT_S / 2)      # rounds go on without it, well before --worker-timeout
-    assert time.monotonic() - killed < EVICT_S / 2
     while 2 in stats(addrs[0]).live_workers and time.monotonic() - killed < EVICT_S / 2:
         time.sleep(0.1)
-    # its Attend streams ended with its process: evicted at once, not after 4 missed beats of 0.5 s (2 s and more)
+    # its Attend streams ended with its process: evicted at once, not after 4 missed beats of 0.5 s (2 s and more);
+    # timed before the rounds below, whose pace on 2 loaded cores is not what this measures
     assert time.monotonic() - killed < 1.5
+    wait_version(addrs[0], v0 + 5, timeout=EVICT_S / 2)      # rounds go on without it, well before --worker-timeout
+    assert time.monotonic() - killed < EVICT_S / 2
     assert stats(addrs[0]).evictions == 1
     assert "evicted worker 2 (its Attend stream closed" in (procs.tmp / "server0.log").read_text()
     for w in workers[:2]:

@@ -35,7 +35,10 @@ def _wait_evicted(shard, worker, within_s=3.0) -> float:
 def test_the_end_of_a_workers_attend_stream_evicts_it_at_once(cluster_factory):
     c, (w0, w1) = _job(cluster_factory, 2)
     shard = c.shards[0]
-    assert set(shard.attending) == {0, 1}                 # setup opened one stream per worker
+    deadline = time.monotonic() + 3        # setup opens one stream per worker without waiting for the shard's handler
+    while set(shard.attending) != {0, 1} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(shard.attending) == {0, 1}
     w1._attendance[0].cancel()                            # what the kernel does to a killed process's connection
     assert _wait_evicted(shard, 1) < 1.0
     assert shard.stats()["evictions"] == 1 and shard.live == {0}

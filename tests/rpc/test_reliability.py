@@ -147,8 +147,8 @@ def test_silent_worker_is_evicted_and_rejoins_at_current_version(cluster_factory
     g = {n: torch.ones(t.shape) for n, t in params}
     a.push(g, 0)
     b.push(g, 0)
+    t0 = time.monotonic()                          # worker 1's last word: its silence runs from here
     a.pull(min_version=1)
-    t0 = time.monotonic()
     a.push(g, 1)                                   # worker 1 goes silent: step 1 waits only on it
     got = a.pull(min_version=2)                    # ... until it is evicted, then completes with worker 0 alone
     waited = time.monotonic() - t0
