@@ -126,9 +126,10 @@ def test_kill9_a_worker_others_continue_then_it_rejoins(procs, tmp_path):
     resumed = time.monotonic() - t_kill
     print(f"\nworker 1 kill -9 at version {v_kill}: worker 0 made progress again after {resumed:.2f}s "
           f"(worker-timeout {timeout}s)")
-    # the shard's own clock: evicted within a reaper tick of the timeout (a little slack for a sleep on a loaded box)
+    # the shard's own clock: evicted within a reaper tick of the timeout (slack for the reaper thread's wake-up in a
+    # shard whose GIL its push handlers hold, on a loaded box; a second timeout would still be caught)
     silent = re.findall(r"evicted worker 1 \(silent for ([0-9.]+)s", shard_log.read_text())
-    assert silent and float(silent[-1]) <= timeout + reaper_tick(timeout) + 0.3, silent
+    assert silent and float(silent[-1]) <= timeout + reaper_tick(timeout) + 0.8, silent
     # end to end (eviction, the blocked round applied, two more rounds, this test's polling): seconds, not the
     # shards' --wait-timeout
     assert resumed <= timeout + 3.0, resumed
