@@ -84,3 +84,37 @@ def procs(tmp_path):
     p = Procs(tmp_path)
     yield p
     p.cleanup()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_zygote_for_in_process_launches(tmp_path_factory):
+    """`launch` called in this process forks its shards and workers from one zygote of the session's instead of
+    starting a zygote of its own (~3.8 s of a core before each job's first process, ~30 jobs). Launches in
+    subprocesses (the CLI and signal tests), bench networks, `zygote=False` and tests/cluster/test_zygote.py still
+    start their own; what a job's children do is unchanged (forked from a zygote either way)."""
+    from deltaps.tools import launch, zygote
+    shared: list = []
+
+    class SessionStarter(zygote.Starter):
+        def __init__(self, zygote_path=None, prefix=(), env=None, hub=None, node=None):
+            self.shared = zygote_path is not None and not prefix and hub is None
+            if not self.shared:
+                super().__init__(zygote_path, prefix, env, hub, node)
+                return
+            if not shared or shared[0].proc.poll() is not None:     # started on first use: unit runs never pay
+                path = str(tmp_path_factory.mktemp("session-zygote") / "z.sock")
+                shared[:] = [zygote.Zygote(path, log=path + ".log").ready()]
+            self.prefix, self.env, self.zygote = [], env, shared[0]
+
+        def ready(self):
+            return self if self.shared else super().ready()
+
+        def close(self):
+            if not self.shared:
+                super().close()
+
+    launch.Starter = SessionStarter
+    yield
+    launch.Starter = zygote.Starter
+    for z in shared:
+        z.stop()
