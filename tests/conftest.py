@@ -87,34 +87,30 @@ def procs(tmp_path):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _one_zygote_for_in_process_launches(tmp_path_factory):
-    """`launch` called in this process forks its shards and workers from one zygote of the session's instead of
-    starting a zygote of its own (~3.8 s of a core before each job's first process, ~30 jobs). Launches in
-    subprocesses (the CLI and signal tests), bench networks, `zygote=False` and tests/cluster/test_zygote.py still
-    start their own; what a job's children do is unchanged (forked from a zygote either way)."""
+def _launches_fork_from_the_session_zygote():
+    """`launch` called in this process forks its shards and workers from the session's zygote (helpers.session_zygote,
+    which start_program's processes come from too) instead of starting a zygote of its own: ~3.8 s of a core before
+    each job's first process, ~30 jobs. Launches in subprocesses (the CLI and signal tests), bench networks,
+    `zygote=False` and tests/cluster/test_zygote.py still start their own; a job's children are forked either way."""
+    from helpers import session_zygote
+
     from deltaps.tools import launch, zygote
-    shared: list = []
 
     class SessionStarter(zygote.Starter):
         def __init__(self, zygote_path=None, prefix=(), env=None, hub=None, node=None):
             self.shared = zygote_path is not None and not prefix and hub is None
-            if not self.shared:
+            if self.shared:       # the session's zygote starts on first use: runs of tests/unit never pay for it
+                self.prefix, self.env, self.zygote = [], env, session_zygote()
+            else:
                 super().__init__(zygote_path, prefix, env, hub, node)
-                return
-            if not shared or shared[0].proc.poll() is not None:     # started on first use: unit runs never pay
-                path = str(tmp_path_factory.mktemp("session-zygote") / "z.sock")
-                shared[:] = [zygote.Zygote(path, log=path + ".log").ready()]
-            self.prefix, self.env, self.zygote = [], env, shared[0]
 
         def ready(self):
             return self if self.shared else super().ready()
 
         def close(self):
-            if not self.shared:
+            if not self.shared:     # the session's zygote outlives the job
                 super().close()
 
     launch.Starter = SessionStarter
     yield
     launch.Starter = zygote.Starter
-    for z in shared:
-        z.stop()

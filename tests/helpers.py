@@ -58,14 +58,19 @@ def _session_starter():
     return starter
 
 
+def session_zygote():
+    """This session's zygote (deltaps/tools/zygote.py Zygote), or the error that kept it from starting."""
+    starter = _session_starter()
+    if isinstance(starter, Exception):
+        raise starter
+    return starter.zygote
+
+
 def start_program(argv, log):
     """`deltaps <argv...>` with its output (and errors) to log, forked from this session's zygote (deltaps/tools/
     zygote.py: torch imported once, as `deltaps launch` and the bench start their programs — a fresh interpreter's
     imports cost a worker ~3 s of CPU); the child's cwd is ROOT. A real process: kill -9, exit codes as Popen's."""
-    starter = _session_starter()
-    if isinstance(starter, Exception):
-        raise starter
-    return starter(argv, log, cwd=str(ROOT))
+    return session_zygote().spawn(argv, log, cwd=str(ROOT))
 
 
 def server_proc(i, port, log, *flags):

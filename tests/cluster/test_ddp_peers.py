@@ -6,10 +6,10 @@ import json
 import os
 
 import pytest
+from helpers import session_zygote
 
 from deltaps.cli import main as cli_main
 from deltaps.tools.launch import free_port, launch
-from deltaps.tools.zygote import Zygote
 from worker.trainers.collective import ring_bytes
 from worker.trainers.ddp_hooks import parse_ddp_hook
 from worker.trainers.strategy import load_job as load_config
@@ -42,9 +42,9 @@ def _flags(job: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp-peers")
-    # forked from one zygote (as `deltaps launch` starts its workers): 14 fresh interpreters importing torch at once
-    # cost ~20 s of the 2 cores before any rank trained
-    zygote = Zygote(str(tmp / "z.sock"), log=str(tmp / "z.log")).ready()
+    # forked from the session's zygote (as `deltaps launch` starts its workers): 14 fresh interpreters importing torch
+    # at once cost ~20 s of the 2 cores before any rank trained
+    zygote = session_zygote()
     procs = {}
     try:
         for name, extra in RUNS.items():
@@ -68,7 +68,6 @@ def runs(tmp_path_factory):
         for p in (p for ps in procs.values() for p in ps):
             if p.poll() is None:
                 p.kill()
-        zygote.stop()
     out["fp16"] = fp16
     return out
 
