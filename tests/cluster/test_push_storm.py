@@ -1,15 +1,12 @@
 """Push storm: 16 concurrent workers against a real server process (asp, SGD lr=1), with injected client-side
 resends of already-delivered pushes. The final state is exactly init - sum(acknowledged pushes) / W."""
 import random
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import client
+from helpers import client, start_program
 
 from deltaps.optimizer_config import OptimizerConfig
 from deltaps.tools.launch import free_port
@@ -17,7 +14,6 @@ from deltaps.wire import chunk_from_tensor
 from protos import pb
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 W, N, SECONDS = 16, 256, 8.0
 
 
@@ -30,9 +26,9 @@ def _grad(r: int, step: int) -> torch.Tensor:
 def test_push_storm_exactly_once(tmp_path):
     port = free_port()
     addr = f"127.0.0.1:{port}"
-    srv = subprocess.Popen([sys.executable, "-m", "deltaps", "server", "--port", str(port), "--shard-id", "0",
-                            "--num-shards", "1", "--worker-timeout", "0"], cwd=ROOT,
-                           stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT)
+    with open(tmp_path / "server.log", "w") as log:
+        srv = start_program(["server", "--port", str(port), "--shard-id", "0", "--num-shards", "1", "--worker-timeout",
+                             "0"], log)
     try:
         init = torch.arange(N, dtype=torch.float32)
         clients = [client([addr], r, W, sync="asp", opt=OptimizerConfig("sgd", lr=1.0), reconnect_deadline_s=30)
