@@ -5,11 +5,12 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from helpers import CONFIG, DELTAPS, ROOT, client, start_program, start_shards, worker_proc
+from helpers import CONFIG, DELTAPS, ROOT, client, session_zygote, start_program, start_shards, worker_proc
 
 from deltaps.cli import main as cli_main
 from deltaps.tools.process_tree import descendants, running
@@ -20,17 +21,24 @@ SUMMARY_KEYS = {"mode", "sync", "codec", "workers", "servers", "steps", "final_t
                 "bytes_pulled_wire"}
 
 
-def _launch(tmp_path, *flags):
-    out, scratch = tmp_path / "summary.json", tmp_path / "scratch"
-    scratch.mkdir()
-    proc = subprocess.run(DELTAPS + ["launch", "--config", CONFIG, "--no-progress", "--json", str(out), *flags],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "TMPDIR": str(scratch)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "deltaps summary" in proc.stdout
-    # logs, results, the zygote's socket: removed after a job that ran (torch's own caches may stay)
-    assert not list(scratch.glob("deltaps-*"))
-    return json.loads(out.read_text())
+@pytest.fixture
+def launched(tmp_path, capsys, monkeypatch):
+    """`deltaps launch --config demo.yaml FLAGS...` in this process (its shards and workers forked from the session's
+    zygote: conftest), its summary; a launcher in a subprocess (the signal tests below) imported torch and a zygote
+    of its own first, ~7.5 s of a core a job."""
+    def run(*flags):
+        out, scratch = tmp_path / "summary.json", tmp_path / "scratch"
+        scratch.mkdir()
+        session_zygote()        # started before the scratch directory: its socket's path would be too long there
+        monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+        rc = cli_main(["launch", "--config", CONFIG, "--no-progress", "--json", str(out), *flags])
+        printed = capsys.readouterr()
+        assert rc == 0, printed.out + printed.err
+        assert "deltaps summary" in printed.out
+        # logs, results: removed after a job that ran (torch's own caches may stay)
+        assert not list(scratch.glob("deltaps-*"))
+        return json.loads(out.read_text())
+    return run
 
 
 def _check_honest(s, steps):
@@ -50,8 +58,8 @@ def _check_honest(s, steps):
     assert pushes > 0
 
 
-def test_launch_bsp_demo_reaches_95_percent(tmp_path):
-    s = _launch(tmp_path)
+def test_launch_bsp_demo_reaches_95_percent(launched):
+    s = launched()
     assert (s["sync"], s["workers"], s["servers"]) == ("bsp", 2, 2)
     assert s["final_test_accuracy"] >= 0.95
     _check_honest(s, 300)
@@ -59,8 +67,8 @@ def test_launch_bsp_demo_reaches_95_percent(tmp_path):
 
 
 @pytest.mark.parametrize("sync", ["asp", "ssp:2"])
-def test_launch_async_modes_converge(tmp_path, sync):
-    s = _launch(tmp_path, "--sync", sync)
+def test_launch_async_modes_converge(launched, sync):
+    s = launched("--sync", sync)
     assert s["sync"] == sync
     assert s["final_test_accuracy"] >= 0.93
     _check_honest(s, 300)
@@ -103,20 +111,20 @@ def test_rollback_switch_on_a_running_job(tmp_path, procs, capsys):
         assert res["final_test_accuracy"] >= 0.93
 
 
-def test_launch_passes_server_args_checkpoints_written(tmp_path):
+def test_launch_passes_server_args_checkpoints_written(tmp_path, launched):
     ck = tmp_path / "ck"
-    s = _launch(tmp_path, "--steps", "60", "--server-args", f"--checkpoint-dir {ck} --checkpoint-every-steps 20")
+    s = launched("--steps", "60", "--server-args", f"--checkpoint-dir {ck} --checkpoint-every-steps 20")
     assert s["steps"] == 60
     names = sorted(p.name for p in ck.iterdir())
     assert any(n.startswith("shard0-") for n in names) and any(n.startswith("shard1-") for n in names), names
 
 
-def test_ranks_of_one_host_share_their_evaluations(tmp_path):
+def test_ranks_of_one_host_share_their_evaluations(tmp_path, launched):
     """--eval-cache across real worker processes: a local-update job's ranks hold the same global model at every
     evaluation, so each model state is scored once and both ranks log the same figures."""
     cache, logs = tmp_path / "evals", str(tmp_path / "ev{rank}.jsonl")
-    s = _launch(tmp_path, "--local-steps", "8", "--steps", "48", "--eval-every", "8", "--eval-log", logs,
-                "--eval-cache", str(cache))
+    s = launched("--local-steps", "8", "--steps", "48", "--eval-every", "8", "--eval-log", logs,
+                 "--eval-cache", str(cache))
     assert s["steps"] == 48
     evals = [[json.loads(line) for line in open(logs.format(rank=r))][1:] for r in range(2)]     # after "started"
     assert len(evals[0]) == len(evals[1]) == 6
