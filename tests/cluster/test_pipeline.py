@@ -2,13 +2,12 @@
 
 The multi-process tests start real clusters (`deltaps launch`): shards, S x D gloo workers."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from deltaps.cli import main as cli_main
 from deltaps.tools.launch import launch
 from worker.trainers.pipeline import grid, split_stages
 from worker.trainers.strategy import load_job as load_config
@@ -66,10 +65,10 @@ def test_pipeline_matches_single_process_sgd(tmp_path, stages, replicas, schedul
 def test_pipeline_digits_accuracy_through_launch(tmp_path):
     """`deltaps launch --mode pipeline` (2 stages x 2 replicas, GPipe, 4 micro-batches) trains digits to >= 95 %."""
     js = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "deltaps", "launch", "--mode", "pipeline", "--workers", "4", "--pipeline-stages", "2",
-           "--microbatches", "4", "--pipeline-schedule", "gpipe", "--servers", "2", "--steps", "300",
-           "--batch-size", "32", "--lr", "0.002", "--no-progress", "--json", str(js)]
-    subprocess.run(cmd, check=True, timeout=120, capture_output=True)
+    # the CLI in this process: the job's processes fork from the session's zygote (conftest)
+    assert cli_main(["launch", "--mode", "pipeline", "--workers", "4", "--pipeline-stages", "2", "--microbatches", "4",
+                     "--pipeline-schedule", "gpipe", "--servers", "2", "--steps", "300", "--batch-size", "32", "--lr",
+                     "0.002", "--no-progress", "--json", str(js)]) == 0
     s = json.loads(js.read_text())
     assert s["mode"] == "pipeline" and s["workers"] == 4
     assert s["final_test_accuracy"] >= 0.95, s["final_test_accuracy"]
