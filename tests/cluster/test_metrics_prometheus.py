@@ -7,12 +7,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
 
 import pytest
+from helpers import start_program
 from metrics_cluster import MetricsCluster, small_config
 
 from deltaps.tools.launch import free_port
@@ -71,11 +71,10 @@ def servers(tmp_path):
     procs, addrs, mports = [], [], []
     for i in range(2):
         pf, mf = tmp_path / f"server{i}.port", tmp_path / f"server{i}.metrics.port"
-        log = open(tmp_path / f"server{i}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "deltaps", "server", "--port", "0", "--shard-id", str(i),
-                              "--num-shards", "2", "--port-file", str(pf), "--wait-timeout", "30",
-                              "--metrics-port", "0", "--metrics-port-file", str(mf)],
-                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        with open(tmp_path / f"server{i}.log", "w") as log:
+            p = start_program(["server", "--port", "0", "--shard-id", str(i), "--num-shards", "2", "--port-file",
+                               str(pf), "--wait-timeout", "30", "--metrics-port", "0", "--metrics-port-file", str(mf)],
+                              log)
         procs.append(p)
     for i, p in enumerate(procs):
         addrs.append(f"127.0.0.1:{_wait_file(tmp_path / f'server{i}.port', p)}")
