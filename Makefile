@@ -32,7 +32,7 @@ demo: setup
 test: setup lint prometheus kubectl
 	$(BIN)/python -m pytest -q --durations=15
 
-# tests/unit: no sockets, no processes; under a minute
+# tests/unit: no sockets, processes only where a fresh interpreter is the point; under a minute
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
