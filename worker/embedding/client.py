@@ -172,5 +172,12 @@ class EmbeddingClient:
         for s in self.sessions:
             s.close()
         self.pool.shutdown(wait=False)
+        # each session's Channel.subscribe started grpc's connectivity poller, which wakes every 0.2 s: a channel
+        # closed under it raises "Cannot monitor channel state: Channel closed!" in that thread (a traceback on
+        # stderr, seen once in `make test`), so let it see the unsubscribe first (grpc's own state; absent: no wait)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(
+                getattr(getattr(ch, "_connectivity_state", None), "polling", False) for ch in self.channels):
+            time.sleep(0.01)
         for ch in self.channels:
             ch.close()
