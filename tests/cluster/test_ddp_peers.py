@@ -3,10 +3,9 @@
 
 All runs start at once (module fixture) so that the whole file stays well under a minute on 2 cores."""
 import json
-import os
 
 import pytest
-from helpers import session_zygote
+from helpers import start_program
 
 from deltaps.cli import main as cli_main
 from deltaps.tools.launch import free_port, launch
@@ -14,7 +13,6 @@ from worker.trainers.collective import ring_bytes
 from worker.trainers.ddp_hooks import parse_ddp_hook
 from worker.trainers.strategy import load_job as load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, HIDDEN = 8, 64
 # SGD without momentum: averaging the models after every step == averaging the gradients (localsgd:period=1)
 JOB = {"steps": STEPS, "hidden": HIDDEN, "optimizer": "sgd", "momentum": 0.0, "lr": 0.2, "progress": False}
@@ -44,7 +42,6 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp-peers")
     # forked from the session's zygote (as `deltaps launch` starts its workers): 14 fresh interpreters importing torch
     # at once cost ~20 s of the 2 cores before any rank trained
-    zygote = session_zygote()
     procs = {}
     try:
         for name, extra in RUNS.items():
@@ -52,10 +49,10 @@ def runs(tmp_path_factory):
             procs[name] = []
             for r in range(2):
                 with open(tmp / f"{name}{r}.log", "w") as log:
-                    procs[name].append(zygote.spawn(
+                    procs[name].append(start_program(
                         ["worker", "--mode", "allreduce", "--rank", str(r), "--world-size", "2", "--master-addr",
                          "127.0.0.1", "--master-port", str(port), "--result-json", str(tmp / f"{name}{r}.json"),
-                         *_flags(JOB), *extra], log, cwd=ROOT))
+                         *_flags(JOB), *extra], log))
         # meanwhile: fp16 through `deltaps launch --mode allreduce --ddp-hook fp16`
         fp16 = launch(load_config(None, {**JOB, "mode": "allreduce", "workers": 2, "ddp_hook": "fp16"}), quiet=True)
         out = {}
